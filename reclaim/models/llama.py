@@ -1,0 +1,277 @@
+"""Decoder for the Llama family: Llama (with llama3 RoPE scaling), Mistral, Qwen2 and Qwen3.
+
+Parameter names equal transformers' so HF checkpoints load without a key map. Inference state is
+passed in (see cache.py); the forward can return the final hidden states and compute logits only
+at chosen positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reclaim.models.cache import AttentionCache
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of a Llama-family decoder; field names are those of the HF config.json."""
+
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {sorted(ARCHITECTURES)}"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type == "qwen2":
+            self.attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: ['silu']")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Build from a config.json dict; unknown keys are kept in `extra` for the round trip."""
+        d = dict(d)
+        rope = d.pop("rope_parameters", None)  # transformers >= 5 spelling of rope settings
+        if rope and "rope_theta" in rope:
+            d.setdefault("rope_theta", rope["rope_theta"])
+            if rope.get("rope_type", "default") != "default":
+                d.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+        if "dtype" in d:
+            d.setdefault("torch_dtype", d.pop("dtype"))
+        if d.get("rope_scaling") is not None and "type" in d["rope_scaling"]:
+            d["rope_scaling"] = dict(d["rope_scaling"])
+            d["rope_scaling"].setdefault("rope_type", d["rope_scaling"].pop("type"))
+        names = set(cls.__dataclass_fields__) - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names}
+        if "model_type" not in known:
+            raise ValueError("config.json has no 'model_type'; cannot tell the architecture")
+        return cls(**known, extra=extra)
+
+    def to_hf(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        d = {**extra, **d}
+        d["architectures"] = [ARCHITECTURES[self.model_type]]
+        if self.model_type == "qwen2":
+            d.pop("attention_bias")
+        return d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies, with the llama3 or linear scaling of `rope_scaling` applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", "default")
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid))
+    else:
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; supported: ['default', 'linear', 'llama3']"
+        )
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; x [B, H, T, D], cos/sin [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: AttentionCache | None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(self.layer, k, v)
+        if self.nkv != self.nh:
+            rep = self.nh // self.nkv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor | None  # [B, T or K, V], float32
+    hidden: torch.Tensor | None  # [B, T, H]: final-norm hidden states (the lm_head's input)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM with HF parameter names."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: AttentionCache | None = None,
+        *,
+        logit_positions: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        compute_logits: bool = True,
+    ) -> ForwardOutput:
+        """Run the decoder over `input_ids` [B, T].
+
+        positions: [B, T] absolute positions (default 0..T-1). cache: see cache.py; without one
+        attention is causal over the T tokens. logit_positions: [B, K] indices into T at which to
+        compute logits (default all). return_hidden: also return the final hidden states.
+        """
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache)
+        hidden = self.model.norm(x)
+        logits = None
+        if compute_logits:
+            h = hidden
+            if logit_positions is not None:
+                idx = logit_positions[..., None].expand(-1, -1, h.shape[-1])
+                h = torch.gather(h, 1, idx)
+            logits = self.lm_head(h).float()
+        return ForwardOutput(logits, hidden if return_hidden else None)
