@@ -1,0 +1,211 @@
+"""The FastAPI app: OpenAI routes, health and metrics, and the gate in front of them.
+
+The gate (a plain ASGI middleware, so streams pass through untouched) checks the API key, turns
+requests away with 503 while the server drains for shutdown, and counts responses by status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from reclaim.server.errors import APIError, install_error_handlers, validation_error
+from reclaim.server.metrics import CONTENT_TYPE
+from reclaim.server.plan import Limits, Plan, plan_chat, plan_completion
+from reclaim.server.responses import TokenText, collect, stream_body
+from reclaim.server.runner import EngineFailure, EngineRunner
+from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+OPEN_ROUTES = ("/health",)  # reachable without the API key
+DRAIN_EXEMPT = ("/metrics",)  # still answered while draining
+
+
+@dataclass
+class ServerState:
+    """Mutable state the gate and routes share."""
+
+    api_key: str | None = None
+    draining: bool = False
+
+
+class Gate:
+    """API key, drain and status accounting for every HTTP request."""
+
+    def __init__(self, app: Any, state: ServerState, runner: EngineRunner) -> None:
+        self.app, self.state, self.metrics = app, state, runner.metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        status = {"code": 0}
+
+        async def counted_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        error = self._refusal(scope)
+        try:
+            if error is not None:
+                await error.response()(scope, receive, counted_send)
+            else:
+                await self.app(scope, receive, counted_send)
+        finally:
+            if status["code"]:
+                self.metrics.http_requests.inc(1, (route, str(status["code"])))
+
+    def _refusal(self, scope: dict) -> APIError | None:
+        path = scope["path"]
+        key = self.state.api_key
+        if key is not None and path not in OPEN_ROUTES:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + key.encode()):
+                return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'")
+        if self.state.draining and path not in DRAIN_EXEMPT:
+            return APIError(503, "the server is shutting down and admits no new requests")
+        return None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing (413) anything over `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"Content-Length {declared!r} is not a byte count")
+        if int(declared) > limit:
+            raise APIError(413, f"the body is {declared} bytes; allowed: at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the body is over {limit} bytes; allowed: at most {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
+    """Validate the JSON body against `schema`; any problem is a 400 naming the field."""
+    raw = await read_body(request, limit)
+    try:
+        return schema.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_unless_gone(request: Request, work: Any) -> dict | None:
+    """Run `work`; if the client hangs up first, cancel it (its finally frees the blocks)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+class EventStream(StreamingResponse):
+    """SSE response that closes its generator however the connection ends."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
+               state: ServerState | None = None) -> FastAPI:
+    """The server app around a (not yet started) runner; the lifespan starts and stops it."""
+    state = state or ServerState()
+    names = TokenText(tokenizer)
+    metrics = runner.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runner.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            await runner.stop()
+
+    app = FastAPI(title="reclaim", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(Gate, state=state, runner=runner)
+
+    async def run(request: Request, plan: Plan):
+        try:
+            gen = runner.submit(plan.response_id, plan.prompts, plan.params)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        except EngineFailure as exc:
+            raise APIError(503, str(exc)) from exc
+        if plan.stream:
+            return EventStream(stream_body(plan, gen, names, runner.engine.weights_version),
+                               headers={"Cache-Control": "no-cache"})
+        try:
+            body = await _collect_unless_gone(request, collect(plan, gen, names))
+        except EngineFailure as exc:
+            raise APIError(500, str(exc)) from exc
+        finally:
+            gen.abort()
+        if body is None:  # the client left; nobody reads this
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, ChatCompletionRequest, limits.max_body_bytes)
+        return await run(request, plan_chat(req, tokenizer, limits))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest, limits.max_body_bytes)
+        return await run(request, plan_completion(req, tokenizer, limits))
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "reclaim",
+                 "max_model_len": limits.max_model_len,
+                 "weights_version": runner.engine.weights_version}
+                for name in limits.model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        if not runner.alive:
+            raise APIError(503, "the engine loop is not running")
+        return {"status": "ok", "weights_version": runner.engine.weights_version}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        s = runner.stats
+        metrics.running.set(s.get("running", 0))
+        metrics.waiting.set(s.get("waiting", 0))
+        metrics.kv_used.set(s.get("kv_blocks_used", 0))
+        metrics.kv_total.set(s.get("kv_blocks_total", 0))
+        metrics.weights_version.set(runner.engine.weights_version)
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,85 @@
+"""OpenAI-style error bodies, and the handlers that turn every failure into one.
+
+A client always gets `{"error": {"message", "type", "param", "code"}}` with a fitting status; an
+unexpected exception becomes a logged 500 and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("reclaim.server")
+
+# status -> (OpenAI error type, default code)
+ERROR_KINDS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "service_unavailable"),
+}
+
+
+class APIError(Exception):
+    """A request failure with its HTTP status and the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        kind, default_code = ERROR_KINDS.get(status, ("invalid_request_error", None))
+        self.type, self.code = kind, code or default_code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first pydantic complaint as a 400 naming the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    where = f"{param}: " if param else ""
+    extra = f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return APIError(400, f"{where}{message}{extra}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception type FastAPI can raise to an OpenAI-style JSON body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            detail = f"no route {request.method} {request.url.path}"
+        return APIError(exc.status_code, detail).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}").response()

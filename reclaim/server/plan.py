@@ -1,0 +1,169 @@
+"""From a validated request to a plan: the engine's prompts and SamplingParams, one per choice.
+
+All checks that need the tokenizer or the model's limits happen here, so a request that passes
+reaches the engine whole, and one that fails gets a 4xx naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from reclaim.engine.request import SamplingParams
+from reclaim.server.errors import APIError
+from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+INT64 = 2**63
+
+
+@dataclass
+class Limits:
+    """What the server admits; `max_model_len` and `vocab_size` come from the engine and model."""
+
+    model_names: tuple[str, ...]
+    max_model_len: int
+    vocab_size: int
+    max_n: int = 16
+    max_choices: int = 256  # prompts x n in one request
+    max_body_bytes: int = 4 << 20
+
+
+@dataclass
+class Plan:
+    """What one HTTP request asks of the engine; choice i runs prompts[i] with params[i]."""
+
+    kind: Literal["chat", "completion"]
+    response_id: str
+    model: str
+    created: int
+    prompts: list[list[int]]
+    prompt_of_choice: list[int]  # choice -> index of its distinct prompt (usage counts each once)
+    params: list[SamplingParams]
+    logprobs: bool
+    stream: bool
+    include_usage: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        seen = {}
+        for p, ids in zip(self.prompt_of_choice, self.prompts):
+            seen[p] = len(ids)
+        return sum(seen.values())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _model(req: SamplingRequest, limits: Limits) -> str:
+    if req.model is None:
+        return limits.model_names[0]
+    if req.model not in limits.model_names:
+        raise APIError(404, f"model {req.model!r} is not served here; available: "
+                       f"{list(limits.model_names)}", param="model", code="model_not_found")
+    return req.model
+
+
+def _check_prompt(ids: list[int], limits: Limits, param: str) -> None:
+    if not ids:
+        raise APIError(400, "the prompt is empty after tokenization; send at least one token",
+                       param=param)
+    if len(ids) >= limits.max_model_len:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is "
+                       f"{limits.max_model_len} tokens, and at least one must be left for the "
+                       f"reply", param=param, code="context_length_exceeded")
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range; allowed: 0 to "
+                       f"{limits.vocab_size - 1}", param=param)
+
+
+def _max_tokens(asked: int | None, default: int | None, prompt_len: int, limits: Limits,
+                param: str) -> int:
+    room = limits.max_model_len - prompt_len
+    if asked is None:
+        return room if default is None else min(default, room)
+    if asked > room:
+        raise APIError(400, f"{param}={asked} is too large: the prompt has {prompt_len} tokens "
+                       f"and the context is {limits.max_model_len}; allowed: 1 to {room}",
+                       param=param, code="context_length_exceeded")
+    return asked
+
+
+def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_offset: int,
+            limits: Limits) -> SamplingParams:
+    stop_ids = req.stop_token_ids or []
+    bad = next((t for t in stop_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids has {bad}; allowed: 0 to {limits.vocab_size - 1}",
+                       param="stop_token_ids")
+    seed = req.seed
+    if seed is not None and seed_offset:
+        # Distinct but reproducible streams for the n choices of one seeded request.
+        seed = (seed + seed_offset + INT64) % (2 * INT64) - INT64
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=seed, max_tokens=max_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(stop_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def _check_n(req: SamplingRequest, num_prompts: int, limits: Limits) -> None:
+    if req.n > limits.max_n:
+        raise APIError(400, f"n={req.n} is too large; allowed: 1 to {limits.max_n}", param="n")
+    if req.n * num_prompts > limits.max_choices:
+        raise APIError(400, f"{num_prompts} prompts x n={req.n} = {req.n * num_prompts} choices; "
+                       f"allowed: at most {limits.max_choices} per request", param="prompt")
+
+
+def _expand(kind: Literal["chat", "completion"], prefix: str, req: SamplingRequest,
+            prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
+            model: str, limits: Limits) -> Plan:
+    choices = [(p, k) for p in range(len(prompts)) for k in range(req.n)]
+    params = [_params(req, max_tokens[p], logprobs, i, limits) for i, (p, _) in enumerate(choices)]
+    return Plan(kind=kind, response_id=new_id(prefix), model=model, created=int(time.time()),
+                prompts=[prompts[p] for p, _ in choices], prompt_of_choice=[p for p, _ in choices],
+                params=params, logprobs=logprobs is not None, stream=req.stream,
+                include_usage=req.include_usage_in_stream)
+
+
+def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
+    """Render the messages with the model's chat template and plan `n` choices."""
+    model = _model(req, limits)
+    _check_n(req, 1, limits)
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt)
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
+        raise APIError(400, f"the chat template rejected these messages: {exc}",
+                       param="messages") from exc
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    _check_prompt(ids, limits, "messages")
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _max_tokens(asked, None, len(ids), limits, name)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _expand("chat", "chatcmpl", req, [ids], [max_tokens], logprobs, model, limits)
+
+
+def plan_completion(req: CompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
+    """Tokenize each prompt (or take its ids) and plan `n` choices per prompt."""
+    model = _model(req, limits)
+    raw = req.prompt_list()
+    _check_n(req, len(raw), limits)
+    prompts, max_tokens = [], []
+    for p in raw:
+        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        _check_prompt(ids, limits, "prompt")
+        prompts.append(ids)
+        max_tokens.append(_max_tokens(req.max_tokens, 16, len(ids), limits, "max_tokens"))
+    return _expand("completion", "cmpl", req, prompts, max_tokens, req.logprobs, model, limits)

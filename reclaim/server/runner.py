@@ -1,0 +1,188 @@
+"""The engine loop in a background thread, and per-HTTP-request streams of its outputs.
+
+The engine steps in its own thread so the asyncio front end keeps accepting, streaming and
+noticing disconnects while the model runs. Outputs of one step cross to the event loop in a
+single `call_soon_threadsafe`; each HTTP request reads its choices from one asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from reclaim.engine.request import RequestOutput, SamplingParams
+from reclaim.server.metrics import ServerMetrics
+
+log = logging.getLogger("reclaim.server")
+
+
+class EngineFailure(Exception):
+    """The engine raised during a step; every request in flight at that moment fails with it."""
+
+
+@dataclass
+class _Timing:
+    start: float
+    first: float | None = None
+    tokens: int = 0
+
+
+@dataclass
+class Generation:
+    """The engine requests behind one HTTP request (prompts x n choices), read as one stream."""
+
+    runner: "EngineRunner"
+    index_of: dict[str, int]  # engine request id -> choice index
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: set[str] = field(default_factory=set)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (choice index, output) until every choice has finished."""
+        while self.pending:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.pending.discard(item.request_id)
+            yield self.index_of[item.request_id], item
+
+    def abort(self) -> None:
+        """Cancel the choices still running and free their cache blocks (idempotent)."""
+        for rid in list(self.pending):
+            self.runner.abort(rid)
+        self.pending.clear()
+
+
+class EngineRunner:
+    """Owns the engine thread; submits and aborts requests from the event loop."""
+
+    def __init__(self, engine, metrics: ServerMetrics, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_wait_s = idle_wait_s
+        self.stats: dict = dict(engine.stats())
+        self._sinks: dict[str, Generation] = {}
+        self._timing: dict[str, _Timing] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle (event-loop thread) ----
+
+    def start(self) -> None:
+        """Start the engine thread; call from inside the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="reclaim-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is still running and join the engine thread."""
+        for rid in list(self._sinks):
+            self.abort(rid)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    # ---- requests (event-loop thread) ----
+
+    def submit(self, request_id: str, prompts: list[list[int]],
+               params: list[SamplingParams]) -> Generation:
+        """Queue one engine request per (prompt, params) pair, ids `{request_id}-{i}`.
+
+        Raises ValueError (nothing left queued) if the engine refuses any of them.
+        """
+        if not self.alive:
+            raise EngineFailure("the engine loop is not running")
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        gen = Generation(self, {rid: i for i, rid in enumerate(ids)})
+        now = time.perf_counter()
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self._sinks[rid] = gen
+                gen.pending.add(rid)
+                self._timing[rid] = _Timing(now)
+                self.engine.add_request(rid, prompt, p)
+        except Exception:
+            gen.abort()
+            raise
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        self._wake.set()
+        return gen
+
+    def abort(self, request_id: str) -> None:
+        """Stop one engine request; its outputs are dropped from here on."""
+        if self._sinks.pop(request_id, None) is not None:
+            self._timing.pop(request_id, None)
+            self.metrics.requests_finished.inc(1, ("abort",))
+            self.engine.abort_request(request_id)
+            self._wake.set()
+
+    def _deliver(self, outputs: list[RequestOutput], stats: dict) -> None:
+        self.stats = stats
+        now = time.perf_counter()
+        for out in outputs:
+            gen = self._sinks.get(out.request_id)
+            if gen is None:
+                continue  # aborted by the front end; its late outputs are moot
+            self._record(out, now)
+            if out.finished:
+                del self._sinks[out.request_id]
+            gen.queue.put_nowait(out)
+
+    def _record(self, out: RequestOutput, now: float) -> None:
+        t = self._timing[out.request_id]
+        if out.new_token_ids:
+            if t.first is None:
+                t.first = now
+                self.metrics.ttft.observe(now - t.start)
+            t.tokens += len(out.new_token_ids)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        if out.finished:
+            del self._timing[out.request_id]
+            self.metrics.requests_finished.inc(1, (out.finish_reason or "unknown",))
+            self.metrics.e2e.observe(now - t.start)
+            if t.first is not None and t.tokens > 1:
+                self.metrics.tpot.observe((now - t.first) / (t.tokens - 1))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, gen in list(self._sinks.items()):
+            del self._sinks[rid]
+            self._timing.pop(rid, None)
+            self.engine.abort_request(rid)
+            gen.queue.put_nowait(EngineFailure(f"engine step failed: {exc!r}"))
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        engine, loop = self.engine, self._loop
+        while not self._stop.is_set():
+            self._wake.clear()
+            if not engine.has_unfinished():
+                self._wake.wait(self.idle_wait_s)
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a broken step must not kill the server
+                log.exception("engine step failed; failing the requests in flight")
+                loop.call_soon_threadsafe(self._fail_all, exc)
+                continue
+            stats = dict(engine.stats())
+            loop.call_soon_threadsafe(self._deliver, outputs, stats)
+        # Leave the engine clean: anything still queued when stopping was aborted above.
+        self.stats = dict(engine.stats())

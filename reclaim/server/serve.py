@@ -1,0 +1,91 @@
+"""Assemble model, engine, runner and app, and run them under uvicorn with a graceful SIGTERM.
+
+SIGTERM drains: new requests get 503, the listening socket closes, in-flight requests run to
+completion for up to `shutdown_timeout` seconds and are then cancelled (freeing their blocks);
+the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from reclaim.server.app import ServerState, create_app
+from reclaim.server.metrics import ServerMetrics
+from reclaim.server.plan import Limits
+from reclaim.server.runner import EngineRunner
+
+log = logging.getLogger("reclaim.server")
+
+
+@dataclass
+class EngineArgs:
+    """How big the engine is; None takes the engine's defaults."""
+
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    num_blocks: int | None = None
+    block_size: int = 16
+    device: str = "cpu"
+
+
+def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_args: EngineArgs,
+              *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20):
+    """The FastAPI app serving `model`; returns (app, runner, state)."""
+    from reclaim.engine.engine import Engine
+
+    if tokenizer is None:
+        raise ValueError("the server needs a tokenizer; the model directory has no tokenizer files")
+    engine = Engine(model, tokenizer, num_blocks=engine_args.num_blocks,
+                    block_size=engine_args.block_size, max_num_seqs=engine_args.max_num_seqs,
+                    max_model_len=engine_args.max_model_len, device=engine_args.device)
+    runner = EngineRunner(engine, ServerMetrics())
+    limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
+                    vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes)
+    state = ServerState(api_key=api_key)
+    return create_app(runner, tokenizer, limits, state), runner, state
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that marks the app as draining on a signal and exits 0 after a SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.state.draining = True
+        if sig == signal.SIGTERM:
+            # uvicorn would re-raise the signal after shutting down (exit 143); a drained
+            # server has done what SIGTERM asks, so it ends normally instead.
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)
+
+
+def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, served_model_name: str | None = None,
+          engine_args: EngineArgs | None = None, shutdown_timeout: float = 30.0,
+          log_level: str = "info") -> int:
+    """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT."""
+    from reclaim.models.loading import load_model, resolve_model_dir
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = resolve_model_dir(model)
+    weights, tokenizer = load_model(path, device=(engine_args or EngineArgs()).device)
+    names = (served_model_name or (model if model else Path(path).name),)
+    if model is None:
+        names += ("default",)
+    app, _, state = build_app(weights, tokenizer, names, engine_args or EngineArgs(),
+                              api_key=api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout, access_log=False)
+    server = DrainingServer(config, state)
+    log.info("serving %s on http://%s:%d (names %s)", path, host, port, list(names))
+    server.run()
+    return 0 if server.started else 1
