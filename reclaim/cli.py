@@ -14,6 +14,33 @@ app.add_typer(bench_app, name="bench")
 
 # ---- server: serve (owner: server) ----
 
+@app.command()
+def serve(
+    model: str = typer.Argument(None, help="HF model directory; omitted: the bundled SmolLM2-135M-Instruct."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: str = typer.Option(None, "--api-key", envvar="RECLAIM_API_KEY",
+                                help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    served_model_name: str = typer.Option(None, help="Model name clients send (default: MODEL)."),
+    max_num_seqs: int = typer.Option(64, help="Most sequences in the running batch."),
+    max_model_len: int = typer.Option(None, help="Context length (default: the model's)."),
+    num_blocks: int = typer.Option(None, help="KV-cache blocks (default: sized by the engine)."),
+    block_size: int = typer.Option(16, help="Tokens per KV-cache block."),
+    device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda."),
+    shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get after SIGTERM."),
+    log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)."""
+    from reclaim.server.serve import EngineArgs
+    from reclaim.server.serve import serve as run_server
+
+    args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      num_blocks=num_blocks, block_size=block_size, device=device)
+    raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key,
+                                served_model_name=served_model_name, engine_args=args,
+                                shutdown_timeout=shutdown_timeout, log_level=log_level))
+
+
 # ---- ssm: ssm-train (owner: ssm) ----
 
 # ---- benchmarks: bench engine / bench serve / bench ssm ----
