@@ -1,0 +1,132 @@
+"""A live server on 127.0.0.1 around a tiny random Llama and a real byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import torch
+import uvicorn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
+from reclaim.server.serve import EngineArgs, build_app
+
+MODEL_NAME = "tiny-llama"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Serving language models means batching requests and streaming tokens back.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: {}[]()<>=+-*/",
+    "Unicode: café, naïve, 東京, ☃, 🙂.",
+]
+
+
+def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on a few sentences: encodes any text, with a ChatML template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   bos_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def make_model(tokenizer, max_position_embeddings: int = 256, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_position_embeddings,
+                      eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper logits than the default init, so greedy has clear winners
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+@torch.no_grad()
+def plain_greedy(model, prompt: list[int], max_tokens: int, eos: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The oracle: greedy decoding by full forwards, no cache; tokens and each step's logprobs."""
+    ids, tokens, rows = list(prompt), [], []
+    for _ in range(max_tokens):
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+        tok = int(logp.argmax())
+        tokens.append(tok)
+        rows.append(logp)
+        ids.append(tok)
+        if tok == eos:
+            break
+    return tokens, rows
+
+
+class LiveServer:
+    """uvicorn in a background thread on a free loopback port; `stop()` shuts it down."""
+
+    model: LlamaForCausalLM
+    tokenizer: PreTrainedTokenizerFast
+
+    def __init__(self, app, runner, state) -> None:
+        self.app, self.runner, self.state = app, runner, state
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+
+    def stats(self) -> dict:
+        return self.runner.engine.stats()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Engine stats once nothing runs or waits and no request is in flight."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if (not s["running"] and not s["waiting"] and not self.runner.num_in_flight
+                    and not self.runner.engine.has_unfinished()):
+                return s
+            if time.monotonic() > deadline:
+                return s
+            time.sleep(0.02)
+
+    def healthy(self) -> bool:
+        with httpx.Client(timeout=10) as client:
+            return client.get(self.url + "/health").status_code == 200
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(api_key: str | None = None, max_num_seqs: int = 16, num_blocks: int = 256,
+                 max_model_len: int = 256) -> LiveServer:
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, max_position_embeddings=max_model_len)
+    args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      num_blocks=num_blocks, block_size=16)
+    app, runner, state = build_app(model, tokenizer, (MODEL_NAME,), args, api_key=api_key,
+                                   max_n=4, max_body_bytes=64 << 10)
+    live = LiveServer(app, runner, state)
+    live.model, live.tokenizer = model, tokenizer
+    return live

@@ -1,0 +1,112 @@
+"""Bad requests get OpenAI-style error JSON with the right 4xx, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from live_server import MODEL_NAME
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+# (route, raw body, status, param the error should name or None)
+CASES = {
+    "malformed json": (CHAT, b'{"model": ', 400, None),
+    "empty body": (CHAT, b"", 400, None),
+    "not an object": (COMPLETIONS, b"[1, 2]", 400, None),
+    "deeply nested": (COMPLETIONS, b"[" * 10000 + b"]" * 10000, 400, None),
+    "invalid utf-8": (COMPLETIONS, b'{"prompt": "caf\xe9", "max_tokens": 1}', 400, None),
+    "lone surrogate": (COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, None),
+    "NaN temperature": (COMPLETIONS, b'{"prompt": "a", "temperature": NaN}', 400, "temperature"),
+    "max_tokens as string": (COMPLETIONS, body(prompt="a", max_tokens="5"), 400, "max_tokens"),
+    "temperature as string": (CHAT, body(messages=MSG, temperature="hot"), 400, "temperature"),
+    "n as float": (CHAT, body(messages=MSG, n=2.0), 400, "n"),
+    "stream as string": (CHAT, body(messages=MSG, stream="yes"), 400, "stream"),
+    "messages not a list": (CHAT, body(messages="hi"), 400, "messages"),
+    "missing messages": (CHAT, body(model=MODEL_NAME), 400, "messages"),
+    "empty messages": (CHAT, body(messages=[]), 400, "messages"),
+    "bad role": (CHAT, body(messages=[{"role": "wizard", "content": "hi"}]), 400,
+                 "messages.0.role"),
+    "image part": (CHAT, body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),
+    "unknown model": (CHAT, body(model="gpt-9", messages=MSG), 404, "model"),
+    "max_tokens zero": (COMPLETIONS, body(prompt="a", max_tokens=0), 400, "max_tokens"),
+    "max_tokens negative": (CHAT, body(messages=MSG, max_tokens=-3), 400, "max_tokens"),
+    "max_tokens over context": (COMPLETIONS, body(prompt="a", max_tokens=10_000), 400,
+                                "max_tokens"),
+    "max_completion_tokens over": (CHAT, body(messages=MSG, max_completion_tokens=10_000), 400,
+                                   "max_completion_tokens"),
+    "n over limit": (CHAT, body(messages=MSG, n=5), 400, "n"),
+    "n zero": (COMPLETIONS, body(prompt="a", n=0), 400, "n"),
+    "token prompt too long": (COMPLETIONS, body(prompt=[5] * 300), 400, "prompt"),
+    "chat prompt too long": (CHAT, body(messages=[{"role": "user", "content": "x " * 3000}]),
+                             400, "messages"),
+    "token id out of vocab": (COMPLETIONS, body(prompt=[5, 10**6]), 400, "prompt"),
+    "empty prompt text": (COMPLETIONS, body(prompt=""), 400, "prompt"),
+    "empty prompt list": (COMPLETIONS, body(prompt=[]), 400, None),
+    "negative temperature": (COMPLETIONS, body(prompt="a", temperature=-1), 400, "temperature"),
+    "top_p zero": (COMPLETIONS, body(prompt="a", top_p=0), 400, "top_p"),
+    "top_p above one": (CHAT, body(messages=MSG, top_p=1.5), 400, "top_p"),
+    "min_p above one": (CHAT, body(messages=MSG, min_p=2.0), 400, "min_p"),
+    "logprobs over 20": (COMPLETIONS, body(prompt="a", logprobs=21), 400, "logprobs"),
+    "top_logprobs alone": (CHAT, body(messages=MSG, top_logprobs=2), 400, None),
+    "stream_options without stream": (CHAT, body(messages=MSG, stream_options={
+        "include_usage": True}), 400, None),
+    "empty stop string": (COMPLETIONS, body(prompt="a", stop=[""]), 400, None),
+    "huge seed": (COMPLETIONS, body(prompt="a", seed=2**70), 400, "seed"),
+    "stop token out of vocab": (COMPLETIONS, body(prompt="a", stop_token_ids=[10**6]), 400,
+                                "stop_token_ids"),
+    "unsupported penalty": (CHAT, body(messages=MSG, presence_penalty=0.5), 400, None),
+    "unsupported tools": (CHAT, body(messages=MSG, tools=[{"type": "function"}]), 400, None),
+    "body over size limit": (COMPLETIONS, body(prompt="a" * (100 << 10)), 413, None),
+}
+
+
+def check_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] in ("invalid_request_error", "server_error")
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_request_gets_openai_error(http, name):
+    route, raw, status, param = CASES[name]
+    r = http.post(route, content=raw, headers={"Content-Type": "application/json"})
+    err = check_error(r, status, param)
+    if name.endswith("too long"):
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_neutral_values_of_unsupported_keys_are_accepted(http):
+    r = http.post(COMPLETIONS, json={
+        "prompt": "a", "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "logit_bias": {}, "tools": [], "echo": False, "best_of": 1, "user": "u1", "unknown": 3})
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_route_and_method(http):
+    check_error(http.get("/v1/nothing"), 404)
+    check_error(http.get(COMPLETIONS), 405)
+
+
+def test_server_healthy_and_idle_after_bad_input(server, http):
+    for name in CASES:
+        route, raw, status, _ = CASES[name]
+        assert http.post(route, content=raw).status_code == status
+    assert server.healthy()
+    assert server.wait_idle()["kv_blocks_used"] == 0
+    ok = http.post(CHAT, json={"messages": MSG, "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
