@@ -83,21 +83,20 @@ def tokenize_corpus(corpus: str, tokenizer: Any, *, batch_files: int = 64) -> to
 
 
 def num_windows(tokens: torch.Tensor, context_length: int) -> int:
-    """How many non-overlapping (context_length + 1)-token windows the stream holds."""
-    n = (tokens.numel() - 1) // context_length
+    """How many non-overlapping context_length-token windows the stream holds."""
+    n = tokens.numel() // context_length
     if n < 1:
         raise ValueError(
-            f"context_length={context_length} needs more than {tokens.numel()} corpus tokens"
+            f"context_length={context_length} is longer than the corpus ({tokens.numel()} tokens)"
         )
     return n
 
 
 def window_batch(tokens: torch.Tensor, context_length: int, batch_size: int, seed: int,
                  index: int) -> torch.Tensor:
-    """Batch `index` of a seeded epoch-wise shuffle of windows: a [batch, context_length + 1] long.
+    """Batch `index` of a seeded epoch-wise shuffle of windows: a [batch, context_length] long.
 
     Depends only on (seed, index), so a resumed run draws exactly the batches it would have drawn.
-    Consecutive windows share one boundary token (input of one is the target of the previous).
     """
     n = num_windows(tokens, context_length)
     rows = []
@@ -105,5 +104,5 @@ def window_batch(tokens: torch.Tensor, context_length: int, batch_size: int, see
         epoch, pos = divmod(j, n)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         w = int(torch.randperm(n, generator=gen)[pos])
-        rows.append(tokens[w * context_length:(w + 1) * context_length + 1])
+        rows.append(tokens[w * context_length:(w + 1) * context_length])
     return torch.stack(rows).long()

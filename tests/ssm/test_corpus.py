@@ -59,12 +59,12 @@ def test_window_batches_are_deterministic_contiguous_and_cover_an_epoch() -> Non
     starts = []
     for index in range(n // bs):
         batch = corpus.window_batch(tokens, T, bs, seed=3, index=index)
-        assert batch.shape == (bs, T + 1) and batch.dtype == torch.long
+        assert batch.shape == (bs, T) and batch.dtype == torch.long
         assert torch.equal(batch, corpus.window_batch(tokens, T, bs, seed=3, index=index))
-        assert torch.equal(batch - batch[:, :1], torch.arange(T + 1).expand(bs, -1))
+        assert torch.equal(batch - batch[:, :1], torch.arange(T).expand(bs, -1))
         starts += batch[:, 0].tolist()
     assert len(set(starts)) == len(starts)  # no window twice in an epoch
-    assert all(s % T == 0 and s + T < tokens.numel() for s in starts)
+    assert all(s % T == 0 and s + T <= tokens.numel() for s in starts)
     assert not torch.equal(corpus.window_batch(tokens, T, bs, seed=4, index=0),
                            corpus.window_batch(tokens, T, bs, seed=3, index=0))
     with pytest.raises(ValueError, match="context_length=2000"):
