@@ -43,6 +43,49 @@ def serve(
 
 # ---- ssm: ssm-train (owner: ssm) ----
 
+@app.command("ssm-train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def ssm_train(
+    ctx: typer.Context,
+    config: str = typer.Option(None, "--config", help="YAML file of SSMTrainConfig fields."),
+    grad_mode: str = typer.Option(None, "--grad-mode", help="backprop | checkpoint | adjoint | truncated."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
+) -> None:
+    """Train a Mamba LM on a text corpus at a chosen context length. Any config field can be
+    overridden as `--field value` (e.g. --context_length 65536 --window 2048)."""
+    from reclaim.ssm.train import load_config, parse_overrides, train
+
+    try:
+        overrides = parse_overrides(ctx.args)
+        if grad_mode is not None:
+            overrides["grad_mode"] = grad_mode
+        if resume:
+            overrides["resume_from_checkpoint"] = True
+        cfg = load_config(config, overrides)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    records = train(cfg)
+    if records:
+        typer.echo(f"step {records[-1]['step']}: loss {records[-1]['loss']:.4f}; "
+                   f"log {cfg.output_dir}/log.jsonl")
+
+
+@bench_app.command("ssm")
+def bench_ssm(
+    quick: bool = typer.Option(False, "--quick", help="Small model, contexts 4K-16K: a smoke run."),
+    device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda."),
+    cap_gib: float = typer.Option(None, "--cap-gib", help="Memory cap for 'longest context' (GiB)."),
+    max_context: int = typer.Option(None, "--max-context", help="Longest context to try."),
+    out: str = typer.Option("benchmarks", help="Directory for ssm.json and ssm.png."),
+) -> None:
+    """Peak memory and step time vs context: backprop, checkpointing, exact and truncated adjoint."""
+    from pathlib import Path
+
+    from reclaim.bench.ssm import bench_spec, main
+
+    spec = bench_spec(quick=quick, device=device, cap_gib=cap_gib, max_context=max_context)
+    main(spec, Path(out))
+
+
 # ---- benchmarks: bench engine / bench serve / bench ssm ----
 
 

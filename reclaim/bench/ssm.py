@@ -1,0 +1,289 @@
+"""`reclaim bench ssm`: peak memory and step time against context length for four gradient modes.
+
+Modes: backprop, per-layer checkpointed backprop, exact adjoint, truncated adjoint, all on one
+Mamba LM and all with the same sub-chunked loss head (so the vocabulary never spans the sequence
+in any mode and the comparison is about the layer stack). Every (mode, context) point runs in a
+fresh subprocess: one optimizer step (forward, backward, AdamW) after the model and optimizer
+state exist. Memory is that step's peak above the process's resident memory before it: on CUDA
+`torch.cuda.max_memory_allocated`; on CPU the kernel's resident-set high-water mark (VmHWM, reset
+right before the step) against the RSS before it. A parent-side watchdog kills a point whose RSS passes the hard limit, so
+a sweep never takes the machine down; such a point is recorded as "over the limit".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODES = ("backprop", "checkpoint", "adjoint", "truncated")
+GIB = 1 << 30
+
+
+@dataclass
+class BenchSpec:
+    """One sweep: model shape, contexts, memory cap and the adjoint's chunking."""
+
+    d_model: int = 256
+    n_layer: int = 4
+    vocab_size: int = 49152  # the default tokenizer's vocabulary
+    chunk_size: int = 2048
+    window: int = 1024
+    loss_chunk: int = 1024
+    cap_gib: float = 3.0
+    hard_limit_gib: float = 14.0
+    contexts: list[int] = field(default_factory=lambda: [4096 << i for i in range(8)])
+    max_point_s: float = 600.0  # stop growing a mode's context once one step takes longer
+    device: str = "cpu"
+    threads: int = 2
+    seed: int = 0
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1))
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's resident-set high-water mark (VmHWM) to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
+    """Build the model, run one training step in `mode` at `context`, return memory and time."""
+    import torch
+
+    from reclaim.ssm.train import SSMTrainConfig, build_model, loss_backward
+
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    device = torch.device(spec.device)
+    cfg = SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, context_length=context,
+                         grad_mode=mode, chunk_size=spec.chunk_size, loss_chunk=spec.loss_chunk,
+                         window=spec.window if mode == "truncated" else None, device=spec.device)
+    model = build_model(cfg, spec.vocab_size).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():  # allocate Adam's moments now, so the step measures activations
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p)}
+        p.grad = torch.zeros_like(p)
+    batch = torch.randint(0, spec.vocab_size, (1, context + 1), generator=torch.Generator()
+                          .manual_seed(spec.seed)).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        _reset_peak_rss()
+        base = _status_kib("VmRSS") * 1024
+    t0 = time.perf_counter()
+    loss = loss_backward(model, batch, cfg)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _status_kib("VmHWM") * 1024 - base
+    step_s = time.perf_counter() - t0
+    return {"mode": mode, "context": context, "peak_bytes": peak, "base_bytes": base,
+            "step_s": step_s, "tokens_per_s": context / step_s, "loss": loss,
+            "parameters": params, "device": spec.device}
+
+
+def _child() -> None:
+    """Subprocess entry: argv[1] is JSON {spec, mode, context}; prints one RESULT line."""
+    args = json.loads(sys.argv[1])
+    out = measure_point(BenchSpec(**args["spec"]), args["mode"], args["context"])
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
+    """measure_point in a fresh process, killed if its RSS passes spec.hard_limit_gib."""
+    arg = json.dumps({"spec": asdict(spec), "mode": mode, "context": context})
+    code = "from reclaim.bench.ssm import _child; _child()"
+    proc = subprocess.Popen([sys.executable, "-c", code, arg], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    killed: list[str] = []
+
+    def watch() -> None:
+        limit_kib = spec.hard_limit_gib * GIB / 1024
+        while proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    rss = int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1))
+            except (OSError, AttributeError):
+                break
+            if rss > limit_kib:
+                killed.append(f"RSS passed the hard limit of {spec.hard_limit_gib} GiB")
+                proc.kill()
+                break
+            time.sleep(0.02)
+
+    if spec.device == "cpu":
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        stdout, stderr = proc.communicate(timeout=spec.max_point_s * 3)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        killed.append(f"took longer than {spec.max_point_s * 3:.0f} s")
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    why = killed[0] if killed else (stderr.strip().splitlines() or ["no output"])[-1]
+    return {"mode": mode, "context": context, "failed": why}
+
+
+def sweep(spec: BenchSpec, modes: tuple[str, ...] = MODES, log=print) -> list[dict[str, Any]]:
+    """Every mode at growing contexts until one fails, passes the hard limit, or runs too long."""
+    points = []
+    for mode in modes:
+        for context in spec.contexts:
+            p = run_point(spec, mode, context)
+            points.append(p)
+            if "failed" in p:
+                log(f"{mode:>10} {context:>8}: stopped: {p['failed']}")
+                break
+            log(f"{mode:>10} {context:>8}: peak {p['peak_bytes'] / GIB:7.3f} GiB  "
+                f"step {p['step_s']:8.2f} s  {p['tokens_per_s']:8.0f} tok/s  loss {p['loss']:.4f}")
+            if p["step_s"] > spec.max_point_s:
+                break
+    return points
+
+
+def summarize(spec: BenchSpec, points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Longest context under the cap per mode, and ratios against backprop."""
+    ok = [p for p in points if "failed" not in p]
+    cap = spec.cap_gib * GIB
+    by = {(p["mode"], p["context"]): p for p in ok}
+    longest = {m: max((p["context"] for p in ok if p["mode"] == m and p["peak_bytes"] <= cap),
+                      default=0) for m in MODES}
+    # A mode whose sweep ended for time, not memory, may train longer contexts than measured.
+    limited_by_time = {m: bool(longest[m]) and not any(
+        q["mode"] == m and ("failed" in q or q["peak_bytes"] > cap) for q in points) for m in MODES}
+    ratios: dict[str, Any] = {}
+    for m in MODES[1:]:
+        common = sorted(c for (mm, c) in by if mm == m and ("backprop", c) in by)
+        ratios[m] = {
+            "memory_vs_backprop": {c: by["backprop", c]["peak_bytes"] / max(1, by[m, c]["peak_bytes"])
+                                   for c in common},
+            "time_vs_backprop": {c: by[m, c]["step_s"] / by["backprop", c]["step_s"] for c in common},
+            "longest_context_vs_backprop": (longest[m] / longest["backprop"]
+                                            if longest["backprop"] else None),
+        }
+    return {"longest_context_under_cap": longest, "longest_limited_by_time": limited_by_time,
+            "ratios": ratios}
+
+
+def plot(spec: BenchSpec, points: list[dict[str, Any]], path: Path) -> None:
+    """Peak memory and step time against context, one line per mode, the cap drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in MODES:
+        ps = [p for p in points if p["mode"] == mode and "failed" not in p]
+        if not ps:
+            continue
+        xs = [p["context"] for p in ps]
+        ax_m.plot(xs, [p["peak_bytes"] / GIB for p in ps], "o-", label=mode)
+        ax_t.plot(xs, [p["step_s"] for p in ps], "o-", label=mode)
+    ax_m.axhline(spec.cap_gib, color="gray", ls="--", lw=1, label=f"cap {spec.cap_gib} GiB")
+    for ax, ylabel in ((ax_m, "peak memory of one step (GiB)"), (ax_t, "step time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Mamba LM d_model={spec.d_model} x {spec.n_layer} layers on {spec.device}: "
+                 f"backprop vs checkpointing vs adjoint (Q={spec.chunk_size}, T-bar={spec.window})",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def memory_sources(spec: BenchSpec, context: int) -> dict[str, int]:
+    """Where the adjoint's step memory comes from, by formula (bytes, fp32)."""
+    d_inner, n, conv = 2 * spec.d_model, 16, 3
+    chunks = -(-context // spec.chunk_size)
+    return {
+        "boundary states (h + conv tail per layer per chunk)":
+            chunks * spec.n_layer * d_inner * (n + conv) * 4,
+        "one chunk's layer inputs (residual stream)": spec.chunk_size * spec.d_model * spec.n_layer * 4,
+        "one layer's recompute graph for one chunk (~12 x d_inner per token)":
+            spec.chunk_size * d_inner * 12 * 4,
+        "logits + their gradient for one loss sub-chunk": spec.loss_chunk * spec.vocab_size * 4 * 3,
+        "token ids and labels": context * 8 * 2,
+    }
+
+
+def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict[str, Any]:
+    """Run the sweep, print the summary and where memory comes from, write ssm.json and ssm.png."""
+    log(f"bench ssm: d_model={spec.d_model} n_layer={spec.n_layer} vocab={spec.vocab_size} "
+        f"device={spec.device} cap={spec.cap_gib} GiB contexts={spec.contexts}")
+    points = sweep(spec, log=log)
+    summary = summarize(spec, points)
+    longest = summary["longest_context_under_cap"]
+    log(f"longest context under {spec.cap_gib} GiB: " + ", ".join(
+        f"{m} {c}{'+' if summary['longest_limited_by_time'][m] else ''}" for m, c in longest.items()))
+    for m, r in summary["ratios"].items():
+        log(f"{m:>10} vs backprop: memory " + ", ".join(
+            f"{c}: {v:.1f}x less" for c, v in r["memory_vs_backprop"].items()) + "; time " + ", ".join(
+            f"{c}: {v:.2f}x" for c, v in r["time_vs_backprop"].items()))
+    biggest = max((p["context"] for p in points if p["mode"] == "adjoint" and "failed" not in p),
+                  default=spec.contexts[0])
+    sources = memory_sources(spec, biggest)
+    log(f"where the adjoint's memory comes from at {biggest} tokens (formula):")
+    for k, v in sources.items():
+        log(f"  {v / 2**20:10.1f} MiB  {k}")
+    slopes = {}
+    for m in MODES:
+        ps = sorted((p for p in points if p["mode"] == m and "failed" not in p),
+                    key=lambda p: p["context"])
+        if len(ps) >= 2:
+            a, b = ps[-2], ps[-1]
+            slopes[m] = (b["peak_bytes"] - a["peak_bytes"]) / (b["context"] - a["context"])
+    log("memory growth per token (measured slope between the two longest points): " + ", ".join(
+        f"{m} {v / 1024:.2f} KiB" for m, v in slopes.items()))
+    result = {"spec": asdict(spec), "points": points, "summary": summary,
+              "adjoint_memory_sources_bytes": sources, "bytes_per_token_slope": slopes}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ssm.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(spec, points, out_dir / "ssm.png")
+    log(f"wrote {out_dir / 'ssm.json'} and {out_dir / 'ssm.png'}")
+    return result
+
+
+def bench_spec(*, quick: bool = False, device: str = "cpu", cap_gib: float | None = None,
+               max_context: int | None = None) -> BenchSpec:
+    """The sweep `reclaim bench ssm` runs: sized for this CPU machine, a GPU, or a quick smoke run."""
+    if quick:
+        spec = BenchSpec(d_model=64, n_layer=4, chunk_size=1024, window=512, cap_gib=0.5,
+                         contexts=[4096, 8192, 16384], device=device)
+    elif device.startswith("cuda"):
+        # A ~130M-parameter Mamba (d_model 768, 24 layers) under the issue's 8 GiB cap.
+        spec = BenchSpec(d_model=768, n_layer=24, chunk_size=8192, window=2048, loss_chunk=4096,
+                         cap_gib=8.0, hard_limit_gib=1e9,
+                         contexts=[4096 << i for i in range(10)], device=device)
+    else:
+        spec = BenchSpec(device=device)
+    if cap_gib is not None:
+        spec.cap_gib = cap_gib
+    if max_context is not None:
+        spec.contexts = [c for c in spec.contexts if c <= max_context] or [max_context]
+    return spec
