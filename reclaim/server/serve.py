@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,3 +92,29 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     log.info("serving %s on http://%s:%d (names %s)", path, host, port, list(names))
     server.run()
     return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """uvicorn serving `app` from a daemon thread on a free loopback port (tests, benchmarks)."""
+
+    def __init__(self, app: Any, *, log_level: str = "warning", start_timeout: float = 60.0) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                                access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

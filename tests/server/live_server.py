@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import torch
-import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
-from reclaim.server.serve import EngineArgs, build_app
+from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
 
 MODEL_NAME = "tiny-llama"
 CHAT_TEMPLATE = (
@@ -71,29 +68,15 @@ def plain_greedy(model, prompt: list[int], max_tokens: int, eos: int) -> tuple[l
     return tokens, rows
 
 
-class LiveServer:
-    """uvicorn in a background thread on a free loopback port; `stop()` shuts it down."""
+class LiveServer(BackgroundServer):
+    """A background server plus the engine, model and tokenizer behind it."""
 
     model: LlamaForCausalLM
     tokenizer: PreTrainedTokenizerFast
 
     def __init__(self, app, runner, state) -> None:
-        self.app, self.runner, self.state = app, runner, state
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
+        super().__init__(app)
+        self.runner, self.state = runner, state
 
     def stats(self) -> dict:
         return self.runner.engine.stats()
@@ -113,10 +96,6 @@ class LiveServer:
     def healthy(self) -> bool:
         with httpx.Client(timeout=10) as client:
             return client.get(self.url + "/health").status_code == 200
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def start_server(api_key: str | None = None, max_num_seqs: int = 16, num_blocks: int = 256,
