@@ -1,0 +1,200 @@
+"""Mamba-1 selective scan with an initial state in and the final state out, in plain PyTorch.
+
+h_t = exp(dt_t A) * h_{t-1} + (dt_t x_t) B_t,  y_t = h_t C_t  (per channel d, state n).
+
+The forward keeps only the state at the start of each time block; the backward (hand written,
+one reverse scan for the state adjoint mu_t = dL/dh_t) recomputes one block at a time, so memory
+is O(T (D + N)) plus one block's O(block D N). Inside a block the recurrence runs as a two-level
+scan: sequential over sub-chunk offsets, vectorised over sub-chunks, then a short pass that carries
+sub-chunk start states. Every decay factor is a product of exp(dt A) <= 1, so nothing can overflow.
+
+An optional `Window` truncates the adjoint to the last W state transitions (see `Window`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Elements (batch x block x D x N) of one recomputed block; sized to stay near the CPU's L3.
+BLOCK_ELEMENTS = 1 << 21
+
+
+def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """All states of h_t = a_t * h_{t-1} + b_t along dim 1 (a, b [B, L, ...], h0 [B, ...])."""
+    bs, n = a.shape[:2]
+    rest = a.shape[2:]
+    s = max(1, math.isqrt(n))
+    m = -(-n // s)
+    pad = m * s - n
+    if pad:
+        a = torch.cat([a, a.new_ones(bs, pad, *rest)], 1)
+        b = torch.cat([b, b.new_zeros(bs, pad, *rest)], 1)
+    a = a.reshape(bs, m, s, *rest)
+    b = b.reshape(bs, m, s, *rest)
+    # Local scans from zero, all sub-chunks at once.
+    hl = torch.empty_like(b)
+    h = b[:, :, 0]
+    hl[:, :, 0] = h
+    for i in range(1, s):
+        h = torch.addcmul(b[:, :, i], a[:, :, i], h)
+        hl[:, :, i] = h
+    decay = torch.cumprod(a, dim=2)
+    # Carry the true start state of each sub-chunk across the m sub-chunks.
+    starts = torch.empty_like(hl[:, :, 0])
+    h = h0
+    for j in range(m):
+        starts[:, j] = h
+        h = torch.addcmul(hl[:, j, -1], decay[:, j, -1], h)
+    hl.addcmul_(decay, starts[:, :, None])
+    return hl.reshape(bs, m * s, *rest)[:, :n]
+
+
+def _block_len(x: torch.Tensor, n_state: int) -> int:
+    bs, _, d = x.shape
+    return max(16, BLOCK_ELEMENTS // max(1, bs * d * n_state))
+
+
+def _discretize(x, dt, A, B):
+    """Per-token decay a = exp(dt A) and input b = (dt x) B, both [B, L, D, N]."""
+    a = torch.exp(dt[..., None] * A)
+    b = (dt * x)[..., None] * B[:, :, None, :]
+    return a, b
+
+
+class Window:
+    """Adjoint truncation state for one layer: keep only the last `size` transitions per output.
+
+    With the exact adjoint mu, the truncated one is mu_W(i) = mu(i) - (prod_{j=i+1}^{i+W} a_j) *
+    mu(i+W): the gradient that reaches h_i only from outputs t < i + W. It is used for the
+    parameter and input gradients; the carry to earlier tokens stays exact (mu_W needs exact mu).
+    Backward walks time in reverse, so this object buffers the exact mu and the log-decays of the
+    W tokens after the current segment; reuse one Window per layer across that layer's chunks.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"window size must be >= 1, got {size}")
+        self.size = size
+        self.mu: torch.Tensor | None = None  # [B, F, D, N]: exact mu of the next F <= W tokens
+        self.cum: torch.Tensor | None = None  # [B, F, D, N] fp64: log prod a over (end, end + f]
+
+    def truncate(self, mu: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
+        """mu_W for a segment with exact mu [B, L, D, N] and log decays log_a; updates the buffer."""
+        w, n = self.size, mu.shape[1]
+        cum = torch.cumsum(log_a.double(), dim=1)
+        if self.mu is not None:
+            mu_all = torch.cat([mu, self.mu], 1)
+            cum_all = torch.cat([cum, cum[:, -1:] + self.cum], 1)
+        else:
+            mu_all, cum_all = mu, cum
+        out = mu
+        k = mu_all.shape[1] - w  # positions i in the segment with i + W still buffered
+        if k > 0:
+            k = min(k, n)
+            decay = torch.exp(cum_all[:, w : w + k] - cum_all[:, :k]).to(mu.dtype)
+            out = mu.clone()
+            out[:, :k] -= decay * mu_all[:, w : w + k]
+        self.mu, self.cum = mu_all[:, :w].clone(), cum_all[:, :w].clone()
+        return out
+
+
+def _scan_forward(x, dt, A, B, C, h0, blk):
+    """y [B, T, D] and the state at the start of every block (last entry: final state)."""
+    t = x.shape[1]
+    ys, states = [], [h0]
+    h = h0
+    for s in range(0, t, blk):
+        e = min(t, s + blk)
+        a, b = _discretize(x[:, s:e], dt[:, s:e], A, B[:, s:e])
+        hs = linear_scan(a, b, h)
+        ys.append(torch.einsum("btdn,btn->btd", hs, C[:, s:e]))
+        h = hs[:, -1]
+        states.append(h)
+    return torch.cat(ys, 1), states
+
+
+class SelectiveScan(torch.autograd.Function):
+    """Autograd wrapper: saves inputs and block-start states; backward recomputes per block."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, h0, window):
+        blk = _block_len(x, A.shape[1])
+        y, states = _scan_forward(x, dt, A, B, C, h0, blk)
+        ctx.save_for_backward(x, dt, A, B, C, *states)
+        ctx.blk, ctx.window = blk, window
+        return y, states[-1]
+
+    @staticmethod
+    def backward(ctx, gy, ghT):
+        x, dt, A, B, C, *states = ctx.saved_tensors
+        blk, window = ctx.blk, ctx.window
+        t = x.shape[1]
+        gx, gdt, gB, gC = (torch.zeros_like(v) for v in (x, dt, B, C))
+        gA = torch.zeros_like(A)
+        if gy is None:
+            gy = torch.zeros_like(x)
+        carry = ghT if ghT is not None else torch.zeros_like(states[-1])
+        starts = list(range(0, t, blk))
+        for i in reversed(range(len(starts))):
+            s = starts[i]
+            e = min(t, s + blk)
+            xs, dts, Bs, Cs, g = x[:, s:e], dt[:, s:e], B[:, s:e], C[:, s:e], gy[:, s:e]
+            a, b = _discretize(xs, dts, A, Bs)
+            hs = linear_scan(a, b, states[i])
+            gC[:, s:e] = torch.einsum("btd,btdn->btn", g, hs)
+            # mu_t = g_t C_t + a_{t+1} mu_{t+1}, seeded with the carry: a reverse linear scan.
+            inj = g[..., None] * Cs[:, :, None, :]
+            a_next = torch.cat([torch.ones_like(a[:, :1]), a[:, 1:].flip(1)], 1)
+            mu = linear_scan(a_next, inj.flip(1), carry).flip(1)
+            carry = a[:, 0] * mu[:, 0]
+            if window is not None:
+                mu = window.truncate(mu, dts[..., None] * A)
+            h_prev = torch.cat([states[i][:, None], hs[:, :-1]], 1)
+            g_log_a = mu * h_prev * a  # dL/d(dt A)
+            mu_b = torch.einsum("btdn,btn->btd", mu, Bs)
+            gdt[:, s:e] = torch.einsum("btdn,dn->btd", g_log_a, A) + xs * mu_b
+            gx[:, s:e] = dts * mu_b
+            gB[:, s:e] = torch.einsum("btdn,btd->btn", mu, dts * xs)
+            gA += torch.einsum("btdn,btd->dn", g_log_a, dts)
+        return gx, gdt, gA, gB, gC, carry, None
+
+
+def selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    *,
+    window: Window | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selective scan from state h0; returns (y [B, T, D], final state [B, D, N]).
+
+    x, dt: [B, T, D] (dt already softplus-ed); A: [D, N]; B, C: [B, T, N]; h0: [B, D, N] or None
+    (zeros). Computes in float32 at least; differentiable (first order) in every input.
+    """
+    if x.ndim != 3 or dt.shape != x.shape:
+        raise ValueError(f"x and dt must be [B, T, D] and equal; got {x.shape} and {dt.shape}")
+    if B.shape != C.shape or B.shape[:2] != x.shape[:2] or A.shape != (x.shape[2], B.shape[2]):
+        raise ValueError(
+            f"shape mismatch: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
+            f"C {tuple(C.shape)}; expected A [D, N], B and C [B, T, N]"
+        )
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x, dt, A, B, C = (v.to(dtype) for v in (x, dt, A, B, C))
+    if h0 is None:
+        h0 = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
+    return SelectiveScan.apply(x, dt, A, B, C, h0.to(dtype), window)
+
+
+def selective_scan_ref(x, dt, A, B, C, h0=None):
+    """Reference: the recurrence one token at a time (slow; for tests)."""
+    h = h0 if h0 is not None else x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
