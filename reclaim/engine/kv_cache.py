@@ -1,0 +1,150 @@
+"""Paged KV cache: fixed-size blocks, a free list, per-sequence block tables, and the per-forward
+view that a model's attention calls (the AttentionCache protocol of reclaim/models/cache.py).
+
+`BlockManager` is plain Python (which blocks a sequence owns) so the scheduler can be tested
+without tensors; `KVPool` holds the tensors and builds a `PagedView` for one forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockManager:
+    """Hands out block ids from a free list and keeps each sequence's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks={num_blocks}, block_size={block_size} are invalid; both must be >= 1"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # LIFO: a just-freed block is reused first, while its memory is still warm.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Grow `seq_id`'s table to hold `num_tokens` tokens; False (and no change) if blocks run out."""
+        table = self.tables.get(seq_id, [])
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > len(self._free):
+            return False
+        if need > 0:
+            table.extend(self._free.pop() for _ in range(need))
+        self.tables[seq_id] = table
+        return True
+
+    def free(self, seq_id: str) -> None:
+        """Return all of `seq_id`'s blocks to the free list (no-op if it holds none)."""
+        self._free.extend(reversed(self.tables.pop(seq_id, [])))
+
+
+class KVPool:
+    """K and V for every block: tensors [layers, blocks, block_size, Hkv, D]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded reads point at slot 0, and garbage there could be NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        # Flat slot views [layers, blocks * block_size, Hkv, D] share storage with k and v.
+        self.k_slots = self.k.view(num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.v_slots = self.v.view(num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def view(self, tables: list[list[int]], past: list[int], new: list[int]) -> "PagedView":
+        """The cache for one forward over rows that hold `past[i]` cached and `new[i]` new tokens."""
+        return PagedView(self, tables, past, new)
+
+
+class PagedView:
+    """One forward's window on the pool: writes the new K/V to their slots and gathers each row's
+    context, padded to the longest, with a mask (causal within the new tokens, padding hidden).
+
+    All index tensors and the mask are built once here, not per layer. `positions` [B, T] are the
+    absolute positions to feed the model (padded query rows get harmless positions).
+    """
+
+    def __init__(self, pool: KVPool, tables: list[list[int]], past: list[int], new: list[int]) -> None:
+        if not (len(tables) == len(past) == len(new)) or not tables or min(new) < 1:
+            raise ValueError(
+                f"bad batch: {len(tables)} tables, past={past}, new={new}; need equal lengths and new >= 1"
+            )
+        device = pool.k.device
+        bs = pool.block_size
+        b, t = len(new), max(new)
+        total = [p + n for p, n in zip(past, new)]
+        s = max(total)
+        width = max(len(tb) for tb in tables)
+        if any(len(tb) * bs < n for tb, n in zip(tables, total)):
+            raise ValueError(f"block tables too short for totals {total} at block_size {bs}")
+        table_t = torch.tensor([tb + [0] * (width - len(tb)) for tb in tables], device=device)
+        past_t = torch.tensor(past, device=device)
+        new_t = torch.tensor(new, device=device)
+        total_t = past_t + new_t
+        key_pos = torch.arange(s, device=device)
+        slots = table_t[:, key_pos // bs] * bs + key_pos % bs  # [B, S]
+        key_ok = key_pos < total_t[:, None]
+        self.read_idx = torch.where(key_ok, slots, 0).reshape(-1)
+        self.positions = past_t[:, None] + torch.arange(t, device=device)  # [B, T]
+        query_ok = torch.arange(t, device=device) < new_t[:, None]  # [B, T]
+        write = slots.gather(1, self.positions.clamp(max=s - 1))
+        self.write_idx = write[query_ok]
+        # Rows of the [B*T] new K/V that are real tokens; None when no row is padded.
+        self.src_idx = None if min(new) == t else query_ok.reshape(-1).nonzero().squeeze(1)
+        self.shape = (b, t, s)
+        self.pool = pool
+        self.mask: torch.Tensor | None
+        if b == 1 and past[0] == 0:
+            self.mask = None  # one fresh prompt: plain causal attention
+        elif t == 1 and min(total) == s:
+            self.mask = None  # decode with equal lengths: every key is visible
+        else:
+            # Padded query rows still see their row's real keys, so no softmax row is all -inf.
+            causal = key_pos[None, None, :] <= self.positions[:, :, None]
+            self.mask = (causal & key_ok[:, None, :])[:, None]  # [B, 1, T, S]
+        self.fresh_prompt = b == 1 and past[0] == 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store this layer's new K/V ([B, Hkv, T, D]) and return the rows' full contexts."""
+        b, t, s = self.shape
+        kf = k.transpose(1, 2).reshape(b * t, *k.shape[1:2], k.shape[-1])
+        vf = v.transpose(1, 2).reshape(b * t, *v.shape[1:2], v.shape[-1])
+        if self.src_idx is not None:
+            kf, vf = kf.index_select(0, self.src_idx), vf.index_select(0, self.src_idx)
+        ks, vs = self.pool.k_slots[layer], self.pool.v_slots[layer]
+        ks.index_copy_(0, self.write_idx, kf)
+        vs.index_copy_(0, self.write_idx, vf)
+        if self.fresh_prompt:
+            return k, v, None
+        hkv, d = ks.shape[1:]
+        k_all = ks.index_select(0, self.read_idx).view(b, s, hkv, d).transpose(1, 2)
+        v_all = vs.index_select(0, self.read_idx).view(b, s, hkv, d).transpose(1, 2)
+        return k_all, v_all, self.mask

@@ -1,0 +1,163 @@
+"""Continuous batching: decide, each step, which tokens of which sequences the model runs.
+
+As in vLLM v1, a sequence is its token list and how many of those tokens are in the cache;
+prefill, chunked prefill, decode and recompute after preemption are all "run the uncomputed
+tokens". `schedule()` returns a plain `SchedulerOutput`; the engine runs it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from reclaim.engine.kv_cache import BlockManager
+from reclaim.engine.request import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One request as the scheduler sees it: tokens so far and how many are cached."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class ScheduledChunk:
+    """Run tokens token_ids[start : start + num_tokens] of one sequence."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    sample: bool  # the chunk reaches the sequence's last token: sample the next one
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens > 1 or self.start == 0
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step, and which sequences lost their cache to make room."""
+
+    chunks: list[ScheduledChunk]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """First come, first served with a token budget per step; preempts the newest under pressure."""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 2048,
+    ) -> None:
+        capacity = blocks.num_blocks * blocks.block_size
+        if max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the cache's {capacity} tokens "
+                f"({blocks.num_blocks} blocks x {blocks.block_size}); lower it or add blocks"
+            )
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}; "
+                "both must be >= 1"
+            )
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; its prompt must leave room for one generated token."""
+        if not 1 <= seq.num_tokens < self.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id!r} has {seq.num_tokens} prompt tokens; allowed: 1 to "
+                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
+            )
+        self.waiting.append(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Drop a sequence (finished or aborted) wherever it is and free its blocks."""
+        self.blocks.free(request_id)
+        for i, seq in enumerate(self.running):
+            if seq.request_id == request_id:
+                return self.running.pop(i)
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.request_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks: running sequences first, then waiting ones while room lasts.
+
+        Advances each scheduled sequence's `num_computed`, as the engine will run the chunk.
+        """
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:  # nothing new to run (the engine has not appended a token yet)
+                i += 1
+                continue
+            while not self.blocks.allocate(seq.request_id, seq.num_computed + n):
+                victim = self.running.pop()  # the newest; sequences before i keep their chunks
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                chunks.append(self._chunk(seq, n))
+                budget -= n
+                i += 1
+        # Admitting new work right after preempting would only thrash the cache.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.allocate(seq.request_id, seq.num_computed + n):
+                break  # wait for blocks; the running sequences will free them
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        return SchedulerOutput(chunks, preempted)
+
+    @staticmethod
+    def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
+        chunk = ScheduledChunk(seq.request_id, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
+        seq.num_computed += n
+        return chunk
