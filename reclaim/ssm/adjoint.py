@@ -1,0 +1,199 @@
+"""Exact adjoint training of a Mamba LM in O(chunk) activation memory.
+
+Pass 1 runs the sequence chunk by chunk without autograd and keeps only each layer's state
+(h, conv tail) at every chunk start. Pass 2 walks the chunks in reverse: it recomputes the chunk's
+layer inputs from those states, takes the loss gradient in sub-chunks (the vocabulary never
+materialises for the whole sequence), then goes down the layers, re-running each (layer, chunk)
+shard with autograd and pulling through it the cotangent of its output plus the state adjoint
+carried from the next chunk (mu = dL/dh and the conv-tail cotangent). The result equals
+`loss.backward()` up to float reassociation, for any chunk size.
+
+Unlike the paper's Prop. 3, the cotangent a layer receives includes every path through the layers
+above it (they are back-propagated first, within the chunk, and carry their own state adjoints),
+and layer inputs are not held fixed.
+
+Truncated mode (`window=W`) replaces each layer's state adjoint, for its parameter and input
+gradients, by mu_W(i) = mu(i) - (prod_{j=i+1}^{i+W} Abar_j) mu(i+W) (see scan.Window): each output
+reaches back through at most W state transitions per layer. The conv (K-1 tokens), the skip D,
+the C-path and the carried exact mu are untouched; W >= T is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reclaim.models.mamba import LayerState
+from reclaim.ssm.scan import Window
+
+
+def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of each time chunk; the last may be short."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return [(s, min(length, s + chunk)) for s in range(0, length, chunk)]
+
+
+def aligned_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """Target per position (position t predicts labels[t + 1]; the last is ignored, -100)."""
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
+
+
+def cell_forward(
+    layer: nn.Module, x: torch.Tensor, state: LayerState
+) -> tuple[torch.Tensor, LayerState]:
+    """One (layer, chunk) shard without autograd: (layer output, state at the chunk's end)."""
+    with torch.no_grad():
+        y, h, conv = layer.forward_chunk(x, *state)
+    return y, LayerState(h, conv)
+
+
+def cell_backward(
+    layer: nn.Module,
+    x: torch.Tensor,
+    state: LayerState,
+    dy: torch.Tensor,
+    dstate: LayerState | None,
+    window: Window | None = None,
+) -> tuple[torch.Tensor, LayerState]:
+    """One shard's backward: recompute with autograd and pull (dy, end-state adjoint) through it.
+
+    Accumulates the layer's parameter .grad; returns (dL/dx, adjoint of the start state). dstate
+    None means nothing downstream reads the end state (the last chunk). `window` truncates.
+    """
+    x = x.detach().requires_grad_()
+    h0, conv0 = (s.detach().requires_grad_() for s in state)
+    with torch.enable_grad():
+        y, h1, conv1 = layer.forward_chunk(x, h0, conv0, window)
+        outs, grads = [y], [dy]
+        if dstate is not None:
+            outs += [h1, conv1]
+            grads += [dstate.h, dstate.conv]
+        torch.autograd.backward(outs, grads)
+    return x.grad, LayerState(h0.grad, conv0.grad)
+
+
+def head_backward(
+    model: nn.Module, r: torch.Tensor, labels: torch.Tensor, scale: float, loss_chunk: int
+) -> tuple[float, torch.Tensor]:
+    """Summed CE of final residual r [B, L, H] vs labels [B, L], in sub-chunks: (sum, dL/dr).
+
+    Gradients are of `scale * sum`, accumulated into norm_f and lm_head (and a tied embedding).
+    """
+    r = r.detach().requires_grad_()
+    total = 0.0
+    for s, e in chunk_bounds(r.shape[1], loss_chunk):
+        with torch.enable_grad():
+            logits = model.logits(model.backbone.norm_f(r[:, s:e]))
+            loss = F.cross_entropy(
+                logits.flatten(0, 1), labels[:, s:e].flatten(), ignore_index=-100, reduction="sum"
+            )
+            (loss * scale).backward()
+        total += loss.item()
+    return total, r.grad if r.grad is not None else torch.zeros_like(r)
+
+
+def embed_backward(model: nn.Module, ids: torch.Tensor, dr: torch.Tensor) -> None:
+    """Accumulate the embedding gradient of one chunk of token ids."""
+    with torch.enable_grad():
+        torch.autograd.backward(model.backbone.embeddings(ids), dr)
+
+
+def _stash(state: LayerState, offload: bool) -> LayerState:
+    if not offload:
+        return state
+    pin = torch.cuda.is_available()  # pinned pages need a CUDA runtime; plain host memory otherwise
+    return LayerState(*(torch.empty(s.shape, dtype=s.dtype, pin_memory=pin).copy_(s, non_blocking=pin)
+                        for s in state))
+
+
+def _fetch(state: LayerState, device: torch.device) -> LayerState:
+    return LayerState(*(s.to(device, non_blocking=True) for s in state))
+
+
+def forward_states(
+    model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], offload: bool = False
+) -> tuple[list[list[LayerState]], list[torch.Tensor]]:
+    """Pass 1 without autograd: every layer's state at every chunk start, and the last chunk's
+    layer inputs (so pass 2 need not recompute that chunk). States go to pinned host memory if
+    `offload`."""
+    states = model.zero_states(input_ids.shape[0])
+    saved: list[list[LayerState]] = []
+    inputs: list[torch.Tensor] = []
+    with torch.no_grad():
+        for c, (s, e) in enumerate(bounds):
+            saved.append([_stash(st, offload) for st in states])
+            x = model.backbone.embeddings(input_ids[:, s:e])
+            inputs = []
+            for k, layer in enumerate(model.backbone.layers):
+                inputs.append(x)
+                x, states[k] = cell_forward(layer, x, states[k])
+    inputs.append(x)
+    return saved, inputs
+
+
+def chunk_inputs(model: nn.Module, ids: torch.Tensor, states: list[LayerState]) -> list[torch.Tensor]:
+    """Residual stream entering each layer (and leaving the last) over one chunk, without autograd."""
+    with torch.no_grad():
+        x = model.backbone.embeddings(ids)
+        xs = [x]
+        for layer, st in zip(model.backbone.layers, states):
+            x, _ = cell_forward(layer, x, st)
+            xs.append(x)
+    return xs
+
+
+def adjoint_loss_backward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    chunk: int,
+    window: int | None = None,
+    loss_chunk: int = 1024,
+    offload: bool | None = None,
+) -> float:
+    """Accumulate into .grad what `loss.backward()` gives for the mean next-token CE; return it.
+
+    chunk: tokens per recomputed time chunk (Q). window: truncate each layer's state adjoint to
+    that many transitions (None: exact). loss_chunk: tokens per logits sub-chunk. offload: keep
+    boundary states in pinned host memory (default: when the model is on a GPU).
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    if loss_chunk < 1:
+        raise ValueError(f"loss_chunk must be >= 1, got {loss_chunk}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    device = input_ids.device
+    if offload is None:
+        offload = device.type == "cuda"
+    targets = aligned_labels(input_ids, labels)
+    n_tokens = int((targets != -100).sum())
+    if n_tokens == 0:
+        raise ValueError("no token to predict: need T >= 2 and at least one label != -100")
+    bounds = chunk_bounds(input_ids.shape[1], chunk)
+    layers = model.backbone.layers
+    # A window covering the whole sequence truncates nothing: skip its bookkeeping.
+    windows = [Window(window) if window is not None and window < input_ids.shape[1] else None
+               for _ in layers]
+
+    saved, xs = forward_states(model, input_ids, bounds, offload)
+    carries: list[LayerState | None] = [None] * len(layers)
+    total = 0.0
+    for c in reversed(range(len(bounds))):
+        s, e = bounds[c]
+        states = [_fetch(st, device) for st in saved[c]] if offload else saved[c]
+        if c < len(bounds) - 1:
+            xs = chunk_inputs(model, input_ids[:, s:e], states)
+        loss, dr = head_backward(model, xs[-1], targets[:, s:e], 1.0 / n_tokens, loss_chunk)
+        total += loss
+        for k in reversed(range(len(layers))):
+            dr, carries[k] = cell_backward(layers[k], xs[k], states[k], dr, carries[k], windows[k])
+        embed_backward(model, input_ids[:, s:e], dr)
+        saved[c] = None  # free this chunk's boundary states
+    return total / n_tokens

@@ -1,0 +1,124 @@
+"""Adjoint training equals autograd for every parameter; truncation; why not the paper's Prop. 3."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reclaim.models.mamba import MambaConfig, MambaForCausalLM
+from reclaim.ssm.adjoint import adjoint_loss_backward
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: a second intra-op thread only adds sync cost (and stalls on a busy machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_model(layers, dtype=torch.float64, vocab=53, hidden=16, state=4, kernel=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = MambaConfig(vocab_size=vocab, hidden_size=hidden, state_size=state, num_hidden_layers=layers,
+                      conv_kernel=kernel, time_step_min=0.05, time_step_max=0.5)
+    model = MambaForCausalLM(cfg).to(dtype)
+    with torch.no_grad():  # perturb everything so no gradient is trivially zero or symmetric
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def autograd_grads(model, ids, labels=None):
+    model.zero_grad()
+    logits = model(ids).logits
+    target = (ids if labels is None else labels)[:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def adjoint_grads(model, ids, labels=None, **kw):
+    model.zero_grad()
+    loss = adjoint_loss_backward(model, ids, labels, **kw)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def rel_err(a, b):
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in b)
+
+
+@pytest.mark.parametrize("layers,chunks,tol,dtype", [
+    (1, [1, 4, 7, 20, 64], 1e-9, torch.float64),
+    (2, [1, 3, 8, 20], 1e-9, torch.float64),
+    (4, [1, 6, 13], 1e-9, torch.float64),
+    (2, [1, 7, 20], 1e-4, torch.float32),
+    (4, [5], 1e-4, torch.float32),
+])
+def test_exact_adjoint_equals_autograd(layers, chunks, tol, dtype):
+    model = make_model(layers, dtype)
+    ids = torch.randint(0, 53, (2, 20))
+    ref_loss, ref = autograd_grads(model, ids)
+    for q in chunks:
+        loss, got = adjoint_grads(model, ids, chunk=q, loss_chunk=3)
+        assert abs(loss - ref_loss) <= tol * abs(ref_loss), q
+        assert rel_err(got, ref) <= tol, (q, rel_err(got, ref))
+
+
+def test_offloaded_boundary_states_give_the_same_gradients():
+    model = make_model(2)
+    ids = torch.randint(0, 53, (1, 14))
+    _, ref = autograd_grads(model, ids)
+    _, got = adjoint_grads(model, ids, chunk=4, offload=True)
+    assert rel_err(got, ref) <= 1e-9
+
+
+def test_labels_with_ignored_positions_and_short_kernel():
+    model = make_model(2, kernel=2)
+    ids = torch.randint(0, 53, (2, 15))
+    labels = ids.clone()
+    labels[0, :6] = -100
+    labels[1, 9:] = -100
+    ref_loss, ref = autograd_grads(model, ids, labels)
+    loss, got = adjoint_grads(model, ids, labels, chunk=4, loss_chunk=5)
+    assert abs(loss - ref_loss) <= 1e-12 and rel_err(got, ref) <= 1e-9
+
+
+def test_gradients_accumulate_like_backward():
+    model = make_model(2)
+    ids = torch.randint(0, 53, (1, 12))
+    _, ref = autograd_grads(model, ids)
+    model.zero_grad()
+    adjoint_loss_backward(model, ids, chunk=5)
+    adjoint_loss_backward(model, ids, chunk=3)
+    assert rel_err({n: p.grad / 2 for n, p in model.named_parameters()}, ref) <= 1e-9
+
+
+def test_truncated_with_window_covering_sequence_is_exact():
+    model = make_model(2)
+    ids = torch.randint(0, 53, (2, 18))
+    _, ref = autograd_grads(model, ids)
+    for w in (18, 100):
+        _, got = adjoint_grads(model, ids, chunk=5, window=w)
+        assert rel_err(got, ref) <= 1e-9
+
+
+def test_truncated_window_changes_gradients_and_is_chunk_invariant():
+    model = make_model(2)
+    ids = torch.randint(0, 53, (2, 24))
+    _, ref = autograd_grads(model, ids)
+    _, a = adjoint_grads(model, ids, chunk=5, window=6)
+    _, b = adjoint_grads(model, ids, chunk=24, window=6)
+    _, c = adjoint_grads(model, ids, chunk=1, window=6)
+    assert rel_err(a, ref) > 1e-6  # it does truncate
+    assert rel_err(a, b) <= 1e-9 and rel_err(c, b) <= 1e-9  # independent of the chunking
+
+
+def test_rejects_bad_arguments():
+    model = make_model(1)
+    ids = torch.randint(0, 53, (1, 5))
+    with pytest.raises(ValueError, match="chunk"):
+        adjoint_loss_backward(model, ids, chunk=0)
+    with pytest.raises(ValueError, match="window"):
+        adjoint_loss_backward(model, ids, chunk=2, window=0)
+    with pytest.raises(ValueError, match="predict"):
+        adjoint_loss_backward(model, ids[:, :1], chunk=2)
