@@ -1,0 +1,121 @@
+"""Selective scan: equals the token-by-token recurrence, forward and backward; truncated adjoint."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reclaim.ssm import scan
+from reclaim.ssm.scan import Window, linear_scan, selective_scan, selective_scan_ref
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: a second intra-op thread only adds sync cost (and stalls on a busy machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def inputs(b=2, t=29, d=5, n=3, dtype=torch.float64):
+    x = torch.randn(b, t, d, dtype=dtype)
+    dt = F.softplus(torch.randn(b, t, d, dtype=dtype) - 1)
+    A = -torch.rand(d, n, dtype=dtype) * 2 - 0.1
+    B, C = torch.randn(b, t, n, dtype=dtype), torch.randn(b, t, n, dtype=dtype)
+    h0 = torch.randn(b, d, n, dtype=dtype)
+    return [v.requires_grad_() for v in (x, dt, A, B, C, h0)]
+
+
+def grads(outs, ins, cots):
+    return torch.autograd.grad(outs, ins, cots, allow_unused=True)
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 29, 64])
+@pytest.mark.parametrize("block_elements", [1 << 21, 60])  # one block, or many 16-token blocks
+def test_scan_equals_reference_forward_and_backward(t, block_elements, monkeypatch):
+    monkeypatch.setattr(scan, "BLOCK_ELEMENTS", block_elements)
+    ins = inputs(t=t)
+    y, h = selective_scan(*ins)
+    yr, hr = selective_scan_ref(*ins)
+    assert (y - yr).abs().max() <= 1e-12 and (h - hr).abs().max() <= 1e-12
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    for g, r in zip(grads([y, h], ins, [gy, gh]), grads([yr, hr], ins, [gy, gh])):
+        assert (g - r).abs().max() <= 1e-12 * max(1.0, r.abs().max().item())
+
+
+def test_float32_scan_matches_float64_reference():
+    ins = inputs(t=200, d=8, n=16)
+    y, h = selective_scan(*(v.detach().float() for v in ins))
+    yr, hr = selective_scan_ref(*(v.detach() for v in ins))
+    assert (y.double() - yr).abs().max() <= 1e-4 * yr.abs().max()
+
+
+def test_without_initial_state_starts_from_zero():
+    x, dt, A, B, C, _ = inputs(t=9)
+    y, h = selective_scan(x, dt, A, B, C)
+    yr, hr = selective_scan_ref(x, dt, A, B, C, torch.zeros_like(h))
+    assert torch.allclose(y, yr) and torch.allclose(h, hr)
+
+
+def test_split_sequence_with_carried_state_equals_whole():
+    x, dt, A, B, C, h0 = inputs(t=30)
+    y, h = selective_scan(x, dt, A, B, C, h0)
+    y1, h1 = selective_scan(x[:, :13], dt[:, :13], A, B[:, :13], C[:, :13], h0)
+    y2, h2 = selective_scan(x[:, 13:], dt[:, 13:], A, B[:, 13:], C[:, 13:], h1)
+    assert torch.allclose(torch.cat([y1, y2], 1), y) and torch.allclose(h2, h)
+
+
+def test_linear_scan_equals_loop():
+    a, b, h0 = torch.rand(3, 23, 4, dtype=torch.float64), torch.randn(3, 23, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    got = linear_scan(a, b, h0)
+    h, ref = h0, []
+    for i in range(23):
+        h = a[:, i] * h + b[:, i]
+        ref.append(h)
+    assert torch.allclose(got, torch.stack(ref, 1), atol=1e-13)
+
+
+def truncated_oracle(ins, gy, w):
+    """Each output y_t back-propagates through only the last w transitions: h_{t-w} is detached."""
+    x, dt, A, B, C, h0 = ins
+    with torch.no_grad():
+        _, hs = zip(*(selective_scan_ref(x[:, :s], dt[:, :s], A, B[:, :s], C[:, :s], h0)
+                      for s in range(1, x.shape[1] + 1)))
+    total = 0
+    for t in range(x.shape[1]):
+        s = max(0, t + 1 - w)
+        start = h0 if s == 0 else hs[s - 1].detach()
+        y, _ = selective_scan_ref(x[:, s:t + 1], dt[:, s:t + 1], A, B[:, s:t + 1], C[:, s:t + 1], start)
+        total = total + (y[:, -1] * gy[:, t]).sum()
+    return grads([total], ins[:5], None)
+
+
+@pytest.mark.parametrize("w", [1, 3, 7])
+@pytest.mark.parametrize("block_elements", [1 << 21, 60])
+def test_truncated_adjoint_equals_windowed_backprop(w, block_elements, monkeypatch):
+    monkeypatch.setattr(scan, "BLOCK_ELEMENTS", block_elements)
+    ins = inputs(t=37)
+    y, _ = selective_scan(*ins, window=Window(w))
+    gy = torch.randn_like(y)
+    got = grads([y], ins[:5], [gy])
+    for g, r in zip(got, truncated_oracle(ins, gy, w)):
+        assert (g - r).abs().max() <= 1e-11 * r.abs().max()
+
+
+def test_window_covering_the_sequence_is_exact():
+    ins = inputs(t=21)
+    y, h = selective_scan(*ins, window=Window(21))
+    yr, hr = selective_scan(*ins)
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    for g, r in zip(grads([y, h], ins, [gy, gh]), grads([yr, hr], ins, [gy, gh])):
+        assert (g - r).abs().max() <= 1e-13 * max(1.0, r.abs().max().item())
+
+
+def test_rejects_bad_shapes():
+    x, dt, A, B, C, h0 = inputs(t=4)
+    with pytest.raises(ValueError, match="A"):
+        selective_scan(x, dt, A[:, :2], B, C, h0)
+    with pytest.raises(ValueError, match="dt"):
+        selective_scan(x, dt[:, :3], A, B, C, h0)
+    with pytest.raises(ValueError, match="window"):
+        Window(0)
