@@ -10,3 +10,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The default model (SmolLM2-135M-Instruct) as an HF directory; the first use ever converts
+    its GGUF (about a minute), later ones find it in $RECLAIM_CACHE."""
+    from reclaim.models.loading import default_model_dir as find_or_convert
+
+    return find_or_convert()

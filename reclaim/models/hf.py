@@ -76,10 +76,12 @@ def hf_generate(
     from transformers import GenerationConfig
 
     own = hf_model.generation_config
-    eos = None if ignore_eos else own.eos_token_id
+    # An empty list, not None: generate() fills a None eos from the model's own config.
+    eos = [] if ignore_eos else own.eos_token_id
     pad = own.pad_token_id if own.pad_token_id is not None else hf_model.config.pad_token_id
     if pad is None:
-        pad = eos[0] if isinstance(eos, list) else eos if eos is not None else 0
+        ids = own.eos_token_id if isinstance(own.eos_token_id, list) else [own.eos_token_id or 0]
+        pad = ids[0]
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=not greedy,

@@ -243,7 +243,7 @@ def build_model(
     shape = getattr(tensors, "shape", lambda k: tuple(tensors[k].shape))
     where = getattr(tensors, "where", lambda k: source)
     state = {}
-    for key in keys:
+    for key in expected:  # in model order, so the first bad tensor reported is the earliest one
         if key in optional:
             continue  # tied: the head is the embedding, as in transformers
         got = shape(key)

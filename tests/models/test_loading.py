@@ -48,6 +48,9 @@ def test_save_load_round_trip_in_hf_layout(tiny_dir, tmp_path):
     assert ("lm_head.weight" in _stored_keys(out)) == (not hf.config.tie_word_embeddings)
     assert _stored_keys(out) == _stored_keys(path)
     again = load_checkpoint(out)
+    # trainable as loaded, and a tied head stays one parameter so training updates both uses
+    assert all(p.requires_grad for p in again.parameters())
+    assert (again.lm_head.weight is again.model.embed_tokens.weight) == hf.config.tie_word_embeddings
     ids = torch.randint(0, hf.config.vocab_size, (2, 16))
     assert torch.equal(_logits(again, ids), _logits(model, ids))
     # transformers reads what we wrote and agrees
