@@ -122,3 +122,33 @@ def test_rejects_bad_arguments():
         adjoint_loss_backward(model, ids, chunk=2, window=0)
     with pytest.raises(ValueError, match="predict"):
         adjoint_loss_backward(model, ids[:, :1], chunk=2)
+
+
+def prop3_grads(model, ids):
+    """The paper's Prop. 3: every layer's output gets the LAST layer's output gradient dl/dy_K,
+    with its input held fixed (no paths through later layers)."""
+    model.zero_grad()
+    with torch.no_grad():
+        rs = [model.backbone.embeddings(ids)]
+        for layer, st in zip(model.backbone.layers, model.zero_states(ids.shape[0])):
+            rs.append(layer.forward_chunk(rs[-1], *st)[0])
+    r_k = rs[-1].requires_grad_()
+    logits = model.logits(model.backbone.norm_f(r_k))
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for layer, r, st in zip(model.backbone.layers, rs, model.zero_states(ids.shape[0])):
+        layer.forward_chunk(r.detach(), *st)[0].backward(r_k.grad)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if ".layers." in n}
+
+
+def test_paper_prop3_is_not_backprop_for_two_layers():
+    model = make_model(2)
+    ids = torch.randint(0, 53, (2, 20))
+    _, ref = autograd_grads(model, ids)
+    _, ours = adjoint_grads(model, ids, chunk=6)
+    paper = prop3_grads(model, ids)
+    first = [n for n in paper if n.startswith("backbone.layers.0.")]
+    last = [n for n in paper if n.startswith("backbone.layers.1.")]
+    assert rel_err({n: paper[n] for n in last}, {n: ref[n] for n in last}) <= 1e-9  # exact on top
+    paper_err = rel_err({n: paper[n] for n in first}, {n: ref[n] for n in first})
+    assert paper_err > 0.1, paper_err  # wrong below: it drops the paths through layer 2
+    assert rel_err({n: ours[n] for n in first}, {n: ref[n] for n in first}) <= 1e-9
