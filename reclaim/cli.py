@@ -88,6 +88,25 @@ def bench_ssm(
 
 # ---- benchmarks: bench engine / bench serve / bench ssm ----
 
+@bench_app.command("serve")
+def bench_serve(
+    model: str = typer.Argument(None, help="HF model directory; omitted: the bundled SmolLM2."),
+    concurrency: str = typer.Option("1,8,32", help="Comma-separated client counts."),
+    max_tokens: int = typer.Option(32, help="Output tokens per request (EOS ignored)."),
+    requests_per_client: int = typer.Option(2, help="Requests per client at each level."),
+    device: str = typer.Option("cpu", help="Torch device."),
+    out_dir: str = typer.Option("benchmarks", help="Where serve.json and serve.png go."),
+) -> None:
+    """Server throughput and TTFT/TPOT at several concurrencies vs the engine and transformers."""
+    from reclaim.bench.serve import ServeBenchSpec, main
+
+    spec = ServeBenchSpec(model=model, concurrency=[int(c) for c in concurrency.split(",")],
+                          max_tokens=max_tokens, requests_per_client=requests_per_client,
+                          device=device, out_dir=out_dir)
+    main(spec)
+    typer.echo(f"wrote {out_dir}/serve.json and {out_dir}/serve.png")
+
+
 
 if __name__ == "__main__":
     app()
