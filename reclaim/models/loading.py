@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -378,6 +378,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF file through transformers' loader and write it to `out` as an HF dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+    print(f"reclaim: converting {gguf.name} to safetensors in {out.parent} (once; about a minute)",
+          file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     hf = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
