@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-State = tuple[torch.Tensor, torch.Tensor]  # (h [B, D, N], conv tail [B, D, d_conv - 1])
+from reclaim.models.mamba import LayerState
+from reclaim.ssm.adjoint import (aligned_labels, cell_backward, cell_forward, chunk_bounds,
+                                 chunk_inputs, embed_backward, forward_states, head_backward)
 
 
 @dataclass(frozen=True)
@@ -59,99 +60,6 @@ def time_segments(n_chunks: int, world: int) -> list[range]:
     return _split(n_chunks, world, "chunks")
 
 
-def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) of each time chunk; the last may be short."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    return [(s, min(length, s + chunk)) for s in range(0, length, chunk)]
-
-
-# ---- the model's parts, through its small public interface ----------------------------------
-
-def _parts(model: nn.Module):
-    bb = model.backbone
-    return bb.embeddings, bb.layers, bb.norm_f, model.lm_head
-
-
-def aligned_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-    """Labels per position (position t predicts labels[t + 1]); the last position is ignored."""
-    labels = input_ids if labels is None else labels
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
-
-
-def zero_state(model: nn.Module, batch: int, like: torch.Tensor) -> State:
-    """Empty recurrent state of one layer (what every layer starts the sequence from)."""
-    cfg = model.config
-    d_inner = cfg.intermediate_size
-    return (like.new_zeros(batch, d_inner, cfg.state_size),
-            like.new_zeros(batch, d_inner, cfg.conv_kernel - 1))
-
-
-def cell_forward(layer: nn.Module, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-    """One shard's forward without autograd: (layer output, state at the chunk's end)."""
-    with torch.no_grad():
-        y, h, conv = layer.forward_chunk(x, *state)
-    return y, (h, conv)
-
-
-def cell_backward(layer: nn.Module, x: torch.Tensor, state: State, dy: torch.Tensor,
-                  dstate: State | None) -> tuple[torch.Tensor, State]:
-    """One shard's backward: recompute with autograd, pull (dy, end-state adjoint) through it.
-
-    Accumulates the layer's parameter gradients; returns (dL/dx, adjoint of the start state).
-    """
-    x = x.detach().requires_grad_()
-    h0, conv0 = (s.detach().requires_grad_() for s in state)
-    with torch.enable_grad():
-        y, h1, conv1 = layer.forward_chunk(x, h0, conv0)
-        outs, grads = [y], [dy]
-        if dstate is not None:
-            outs += [h1, conv1]
-            grads += list(dstate)
-        torch.autograd.backward(outs, grads)
-    return x.grad, (h0.grad, conv0.grad)
-
-
-def head_backward(model: nn.Module, r: torch.Tensor, labels: torch.Tensor, scale: float,
-                  loss_chunk: int) -> tuple[float, torch.Tensor]:
-    """Summed CE of the final residual r against labels, in sub-chunks; returns (sum, dL/dr).
-
-    Gradients are of `scale * sum`, accumulated into norm_f and lm_head.
-    """
-    _, _, norm_f, lm_head = _parts(model)
-    r = r.detach().requires_grad_()
-    total = 0.0
-    for s, e in chunk_bounds(r.shape[1], loss_chunk):
-        with torch.enable_grad():
-            logits = lm_head(norm_f(r[:, s:e]))
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            loss = F.cross_entropy(logits.flatten(0, 1), labels[:, s:e].flatten(),
-                                   ignore_index=-100, reduction="sum")
-            (loss * scale).backward()
-        total += loss.item()
-    return total, r.grad if r.grad is not None else torch.zeros_like(r)
-
-
-def embed_backward(model: nn.Module, ids: torch.Tensor, dr: torch.Tensor) -> None:
-    """Accumulate the embedding gradient for one chunk of token ids."""
-    emb = _parts(model)[0]
-    with torch.enable_grad():
-        torch.autograd.backward(emb(ids), dr)
-
-
-def _forward_states(model, input_ids, bounds) -> list[list[State]]:
-    """Pass 1 without autograd: each layer's state at the start of every chunk."""
-    emb, layers, _, _ = _parts(model)
-    states = [zero_state(model, input_ids.shape[0], emb.weight) for _ in layers]
-    saved = []
-    for s, e in bounds:
-        saved.append(list(states))
-        x = emb(input_ids[:, s:e])
-        for k, layer in enumerate(layers):
-            x, states[k] = cell_forward(layer, x, states[k])
-    return saved
-
-
 def wavefront_loss_backward(model: nn.Module, input_ids: torch.Tensor,
                             labels: torch.Tensor | None = None, *, chunk: int, workers: int = 2,
                             loss_chunk: int = 1024) -> float:
@@ -161,16 +69,15 @@ def wavefront_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     a wave belong to distinct layers, so parameter accumulation never races; head and embedding
     work (the tied weight) stays on the calling thread.
     """
-    emb, layers, _, _ = _parts(model)
-    with torch.no_grad():
-        lab = aligned_labels(input_ids, labels)
-        n_tokens = int((lab != -100).sum())
-        bounds = chunk_bounds(input_ids.shape[1], chunk)
-        saved = _forward_states(model, input_ids, bounds)
+    layers = model.backbone.layers
+    lab = aligned_labels(input_ids, labels)
+    n_tokens = int((lab != -100).sum())
+    bounds = chunk_bounds(input_ids.shape[1], chunk)
+    saved, _ = forward_states(model, input_ids, bounds)
     n_layers = len(layers)
     inputs: dict[int, list[torch.Tensor]] = {}  # chunk -> input of every layer (chunks in flight)
     cot: dict[int, torch.Tensor] = {}  # chunk -> cotangent of the next layer's input
-    carry: list[State | None] = [None] * n_layers
+    carry: list[LayerState | None] = [None] * n_layers
     total = 0.0
 
     def run(cell: Cell) -> None:
@@ -183,11 +90,7 @@ def wavefront_loss_backward(model: nn.Module, input_ids: torch.Tensor,
                 if cell.layer == n_layers - 1:  # chunk enters: recompute its layer inputs, head
                     c = cell.chunk
                     s, e = bounds[c]
-                    with torch.no_grad():
-                        xs = [emb(input_ids[:, s:e])]
-                        for k, layer in enumerate(layers):
-                            xs.append(cell_forward(layer, xs[-1], saved[c][k])[0])
-                    inputs[c] = xs
+                    inputs[c] = xs = chunk_inputs(model, input_ids[:, s:e], saved[c])
                     loss, cot[c] = head_backward(model, xs.pop(), lab[:, s:e], 1 / n_tokens,
                                                  loss_chunk)
                     total += loss
@@ -242,13 +145,13 @@ def _all_reduce_grads(params: list[nn.Parameter], stash: list[torch.Tensor | Non
 
 def stage_parameters(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
     """The parameters rank `rank` owns in the layer-sharded pipeline (build its optimizer on them)."""
-    emb, layers, norm_f, lm_head = _parts(model)
-    block = layer_blocks(len(layers), world)[rank]
-    mods = [layers[k] for k in block]
+    bb = model.backbone
+    block = layer_blocks(len(bb.layers), world)[rank]
+    mods = [bb.layers[k] for k in block]
     if rank == 0:
-        mods.append(emb)
+        mods.append(bb.embeddings)
     if rank == world - 1:
-        mods += [norm_f, lm_head]
+        mods += [bb.norm_f, model.lm_head]
     return list({id(p): p for m in mods for p in m.parameters()}.values())
 
 
@@ -263,7 +166,7 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     the loss. Each rank keeps its stage input per chunk (T x d) and its layers' boundary states.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    emb, layers, _, _ = _parts(model)
+    emb, layers = model.backbone.embeddings, model.backbone.layers
     block = layer_blocks(len(layers), world)[rank]
     first, last = rank == 0, rank == world - 1
     prev, nxt = (dist.get_global_rank(group, r) if group is not None else r
@@ -275,10 +178,10 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     bounds = chunk_bounds(input_ids.shape[1], chunk)
     width = emb.weight.shape[1]
     # A tied embedding/head weight gets gradient on the first and the last rank: sum the two.
-    tied = [emb.weight] if _parts(model)[3].weight is emb.weight else []
+    tied = [emb.weight] if model.lm_head.weight is emb.weight else []
     stash = _stash_grads(tied)
     pending: list = []
-    states = [zero_state(model, bsz, emb.weight) for _ in block]
+    states = [layers[k].mixer.zero_state(bsz, emb.weight) for k in block]
     stage_in, saved = [], []
     with torch.no_grad():
         for s, e in bounds:
@@ -290,7 +193,7 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
                 x, states[i] = cell_forward(layers[k], x, states[i])
             if not last:
                 _send(x, nxt, group, pending)
-    carry: list[State | None] = [None] * len(block)
+    carry: list[LayerState | None] = [None] * len(block)
     total = 0.0
     for c in reversed(range(len(bounds))):
         s, e = bounds[c]
@@ -330,7 +233,7 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     only its segment); each keeps its segment's layer inputs (K x T/W x d).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    emb, layers, _, _ = _parts(model)
+    emb, layers = model.backbone.embeddings, model.backbone.layers
     prev, nxt = (dist.get_global_rank(group, r) if group is not None else r
                  for r in (rank - 1, rank + 1))
     bsz = input_ids.shape[0]
@@ -339,7 +242,7 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         n_tokens = int((lab != -100).sum())
     bounds = chunk_bounds(input_ids.shape[1], chunk)
     mine = [bounds[c] for c in time_segments(len(bounds), world)[rank]]
-    like = zero_state(model, bsz, emb.weight)
+    like = layers[0].mixer.zero_state(bsz, emb.weight)
     params = _unique_parameters(model)
     stash = _stash_grads(params)
     pending: list = []
@@ -347,8 +250,8 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         xs = [emb(input_ids[:, s:e]) for s, e in mine]
         inputs, saved = [], []
         for layer in layers:
-            state = like if rank == 0 else tuple(
-                _recv(t.shape, t, prev, group) for t in like)
+            state = like if rank == 0 else LayerState(
+                *(_recv(t.shape, t, prev, group) for t in like))
             inputs.append(xs)
             saved.append([])
             ys = []
@@ -366,8 +269,8 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         total += loss
         cot.append(dx)
     for k in reversed(range(len(layers))):
-        carry = None if rank == world - 1 else tuple(
-            _recv(t.shape, t, nxt, group) for t in like)
+        carry = None if rank == world - 1 else LayerState(
+            *(_recv(t.shape, t, nxt, group) for t in like))
         for j in reversed(range(len(mine))):
             cot[j], carry = cell_backward(layers[k], inputs[k][j], saved[k][j], cot[j], carry)
         if rank > 0:

@@ -158,15 +158,8 @@ def load_tokenizer(name: str | None) -> Any:
     return AutoTokenizer.from_pretrained(name, local_files_only=True)
 
 
-def _layer_states(model: torch.nn.Module, batch: int, like: torch.Tensor):
-    from reclaim.ssm.parallel import zero_state
-
-    return zero_state(model, batch, like)
-
-
 def _head_ce(model: torch.nn.Module, r: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = model.lm_head(model.backbone.norm_f(r))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = model.logits(model.backbone.norm_f(r))
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                              ignore_index=-100, reduction="sum")
 
@@ -180,13 +173,12 @@ def autograd_loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, *,
     """
     from torch.utils.checkpoint import checkpoint
 
-    from reclaim.ssm.parallel import aligned_labels, chunk_bounds
+    from reclaim.ssm.adjoint import aligned_labels, chunk_bounds
 
     labels = aligned_labels(input_ids, None)
     n_tokens = int((labels != -100).sum())
     r = model.backbone.embeddings(input_ids)
-    for layer in model.backbone.layers:
-        state = _layer_states(model, input_ids.shape[0], r)
+    for layer, state in zip(model.backbone.layers, model.zero_states(input_ids.shape[0])):
         if checkpoint_layers:
             r = checkpoint(layer.forward_chunk, r, *state, use_reentrant=False)[0]
         else:
