@@ -28,8 +28,10 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> bool:
-        """Append one token; True if it completed a stop string."""
+        """Append one token; True if it completed a stop string. Without a tokenizer, no text."""
         self.ids.append(token_id)
+        if self.tokenizer is None:
+            return False
         before = self._decode(self.ids[self._prefix:self._read])
         now = self._decode(self.ids[self._prefix:])
         if len(now) <= len(before) or now.endswith("\ufffd"):
@@ -41,7 +43,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end: keep whatever undecodable tail remains, as decode() would show it."""
-        if self.stop_found is None and self._read < len(self.ids):
+        if self.tokenizer is not None and self.stop_found is None and self._read < len(self.ids):
             before = self._decode(self.ids[self._prefix:self._read])
             self.text += self._decode(self.ids[self._prefix:])[len(before):]
             self._read = len(self.ids)

@@ -42,10 +42,7 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample: bool  # the chunk reaches the sequence's last token: sample the next one
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_tokens > 1 or self.start == 0
+    is_prefill: bool = False  # the chunk starts inside the prompt
 
 
 @dataclass
@@ -158,6 +155,7 @@ class Scheduler:
 
     @staticmethod
     def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
-        chunk = ScheduledChunk(seq.request_id, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
+        chunk = ScheduledChunk(seq.request_id, seq.num_computed, n, seq.num_computed + n == seq.num_tokens,
+                               seq.num_computed < seq.num_prompt_tokens)
         seq.num_computed += n
         return chunk

@@ -58,6 +58,15 @@ def make_pair(seed: int = 0, **overrides) -> tuple[LlamaForCausalLM, transformer
     return ours, hf
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and busy-waiting threads crawl on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return make_pair()
@@ -66,3 +75,19 @@ def tiny():
 @pytest.fixture(scope="module")
 def toy_tokenizer():
     return ToyTokenizer(TINY["vocab_size"])
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded default model (SmolLM2-135M-Instruct) and its tokenizer."""
+    from reclaim.models.loading import load_model
+
+    model, tokenizer = load_model()
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    from reclaim.models.loading import load_tokenizer
+
+    return load_tokenizer()
