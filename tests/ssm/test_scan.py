@@ -65,13 +65,15 @@ def test_split_sequence_with_carried_state_equals_whole():
     assert torch.allclose(torch.cat([y1, y2], 1), y) and torch.allclose(h2, h)
 
 
-def test_linear_scan_equals_loop():
-    a, b, h0 = torch.rand(3, 23, 4, dtype=torch.float64), torch.randn(3, 23, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
-    got = linear_scan(a, b, h0)
-    h, ref = h0, []
-    for i in range(23):
+@pytest.mark.parametrize("reverse", [False, True])
+def test_linear_scan_equals_loop(reverse):
+    a, b = torch.rand(3, 23, 4, dtype=torch.float64), torch.randn(3, 23, 4, dtype=torch.float64)
+    h0 = torch.randn(3, 4, dtype=torch.float64)
+    got = linear_scan(a, b, h0, reverse=reverse)
+    h, ref = h0, [None] * 23
+    for i in (reversed(range(23)) if reverse else range(23)):
         h = a[:, i] * h + b[:, i]
-        ref.append(h)
+        ref[i] = h
     assert torch.allclose(got, torch.stack(ref, 1), atol=1e-13)
 
 
