@@ -78,16 +78,17 @@ def toy_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def smol():
-    """The embedded default model (SmolLM2-135M-Instruct) and its tokenizer."""
+def smol(default_model_dir):
+    """The embedded default model (SmolLM2-135M-Instruct), its tokenizer, and transformers' twin."""
+    from reclaim.models.hf import load_hf_model
     from reclaim.models.loading import load_model
 
-    model, tokenizer = load_model()
-    return model.eval(), tokenizer
+    model, tokenizer = load_model(default_model_dir)
+    return model.eval(), tokenizer, load_hf_model(default_model_dir)
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer():
+def smol_tokenizer(default_model_dir):
     from reclaim.models.loading import load_tokenizer
 
-    return load_tokenizer()
+    return load_tokenizer(default_model_dir)

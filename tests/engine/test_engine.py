@@ -9,6 +9,7 @@ import torch
 from conftest import make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
+from reclaim.models.hf import hf_generate, hf_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 70, 12, 3], [7, 8], list(range(20, 41)), [44] * 9]
@@ -20,9 +21,7 @@ def _engine(model, tok=None, **kw):
 
 
 def _hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_generate(hf, torch.tensor([prompt]), max_new_tokens=n, ignore_eos=True)[0].tolist()
 
 
 @pytest.mark.parametrize("family", [
@@ -76,7 +75,7 @@ def test_logprobs_equal_log_softmax_of_oracle_logits(tiny):
     out = _engine(ours).generate([prompt], SamplingParams(temperature=0.9, seed=1, max_tokens=6,
                                                           ignore_eos=True, logprobs=3))[0]
     full = torch.tensor([prompt + out.token_ids])
-    ref = hf(full).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    ref = hf_logits(hf, full)[0, len(prompt) - 1:-1].log_softmax(-1)
     assert len(out.logprobs) == len(out.token_ids)
     for step, lp in enumerate(out.logprobs):
         assert lp.token_id == out.token_ids[step]
