@@ -42,9 +42,27 @@ FIELDS = {
     "ignore_eos": st.booleans(),
     "presence_penalty": st.floats(-2, 2, allow_nan=False),
 }
+# Values a well-behaved client sends: most of these requests should be served (200).
+VALID = {
+    "model": st.just("tiny-llama"),
+    "max_tokens": st.integers(1, 8),
+    "n": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 0.5),
+    "seed": st.integers(0, 2**63 - 1),
+    "stop": st.text(min_size=1, max_size=3),
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),
+}
 plausible = st.fixed_dictionaries(
-    {"messages": st.lists(message, min_size=1, max_size=3), "prompt": FIELDS["prompt"]},
-    optional={k: v for k, v in FIELDS.items() if k not in ("messages", "prompt")})
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                 "content": st.text(max_size=60)}),
+                          min_size=1, max_size=3),
+     "prompt": st.text(min_size=1, max_size=60)},
+    optional=VALID)
 anything = st.fixed_dictionaries({}, optional={k: v | any_json for k, v in FIELDS.items()})
 # Bound the work a valid request asks for, so the fuzz run stays quick.
 body_dicts = (plausible | anything).map(lambda d: {"max_tokens": 4, **d})
