@@ -181,6 +181,7 @@ class EngineRunner:
             except Exception as exc:  # a broken step must not kill the server
                 log.exception("engine step failed; failing the requests in flight")
                 loop.call_soon_threadsafe(self._fail_all, exc)
+                self._stop.wait(self.idle_wait_s)  # let the aborts land before stepping again
                 continue
             stats = dict(engine.stats())
             loop.call_soon_threadsafe(self._deliver, outputs, stats)
