@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import platform
 import threading
 import time
@@ -215,6 +216,7 @@ def run(spec: ServeBenchSpec) -> dict:
     from reclaim.models.loading import load_model, resolve_model_dir
     from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
 
+    load_before = os.getloadavg()[0]  # other work on a shared machine moves every figure
     model_dir = resolve_model_dir(spec.model)
     model, tokenizer = load_model(model_dir, device=spec.device)
     name = model_dir.name
@@ -250,7 +252,9 @@ def run(spec: ServeBenchSpec) -> dict:
         }
     return {"benchmark": "serve", "model": str(model_dir), "spec": asdict(spec),
             "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                        "threads": torch.get_num_threads(), "device": spec.device},
+                        "threads": torch.get_num_threads(), "device": spec.device,
+                        "cpus": os.cpu_count(),
+                        "load_average_1m": [load_before, os.getloadavg()[0]]},
             "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
             "levels": levels, "hf_sequential": hf}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +139,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
     state = state or ServerState()
     names = TokenText(tokenizer)
     metrics = runner.metrics
+    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -186,7 +188,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
 
     @app.get("/v1/models")
     async def models():
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "reclaim",
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "reclaim",
                  "max_model_len": limits.max_model_len,
                  "weights_version": runner.engine.weights_version}
                 for name in limits.model_names]

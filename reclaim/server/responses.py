@@ -55,10 +55,16 @@ class TokenText:
         return list(self.text(token_id).encode("utf-8"))
 
 
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: an impossible token reports -9999.0, as vLLM does."""
+    return logprob if logprob > -9999.0 else -9999.0
+
+
 def chat_logprobs(lps: list[TokenLogprob], names: TokenText) -> dict:
     """`choices[i].logprobs` of a chat completion (or chunk) for these tokens."""
     def entry(token_id: int, logprob: float) -> dict:
-        return {"token": names.text(token_id), "logprob": logprob, "bytes": names.bytes(token_id)}
+        return {"token": names.text(token_id), "logprob": finite(logprob),
+                "bytes": names.bytes(token_id)}
 
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps],
@@ -69,11 +75,11 @@ def completion_logprobs(lps: list[TokenLogprob], names: TokenText, offsets: list
     """`choices[i].logprobs` of a legacy completion; `offsets` are where each token's text starts."""
     tops = []
     for lp in lps:
-        top = {names.text(t): v for t, v in lp.top}
-        top.setdefault(names.text(lp.token_id), lp.logprob)
+        top = {names.text(t): finite(v) for t, v in lp.top}
+        top.setdefault(names.text(lp.token_id), finite(lp.logprob))
         tops.append(top)
     return {"tokens": [names.text(lp.token_id) for lp in lps],
-            "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": tops,
+            "token_logprobs": [finite(lp.logprob) for lp in lps], "top_logprobs": tops,
             "text_offset": offsets}
 
 
