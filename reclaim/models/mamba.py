@@ -55,6 +55,8 @@ class MambaConfig:
     time_step_max: float = 0.1
     time_step_init_scheme: str = "random"
     time_step_floor: float = 1e-4
+    initializer_range: float = 0.1
+    rescale_prenorm_residual: bool = False
     tie_word_embeddings: bool = True
     pad_token_id: int | None = 0
     bos_token_id: int | None = 0
@@ -275,8 +277,26 @@ class MambaForCausalLM(nn.Module):
         self.config = cfg
         self.backbone = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._init_like_hf(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
+
+    @torch.no_grad()
+    def _init_like_hf(self, cfg: MambaConfig) -> None:
+        # transformers' init: N(0, initializer_range) embeddings and in/x projections, zero biases;
+        # out_proj and conv keep PyTorch's kaiming init, dt_proj Mamba's (see MambaMixer).
+        std = cfg.initializer_range
+        nn.init.normal_(self.backbone.embeddings.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for layer in self.backbone.layers:
+            mixer = layer.mixer
+            for lin in (mixer.in_proj, mixer.x_proj):
+                nn.init.normal_(lin.weight, std=std)
+            for bias in (mixer.in_proj.bias, mixer.out_proj.bias, mixer.conv1d.bias):
+                if bias is not None:
+                    bias.zero_()
+            if cfg.rescale_prenorm_residual:
+                mixer.out_proj.weight /= math.sqrt(cfg.num_hidden_layers)
 
     def zero_states(self, batch: int) -> list[LayerState]:
         """Fresh per-layer states for `batch` sequences."""
