@@ -12,6 +12,74 @@ app.add_typer(bench_app, name="bench")
 
 # ---- inference: generate, chat, demo (owner: engine) ----
 
+MODEL_ARG = typer.Option(None, "--model", "-m", help="HF model directory; omitted: the bundled SmolLM2-135M-Instruct.")
+
+
+def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | None):
+    from reclaim.engine.request import SamplingParams
+
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+
+def _engine(model: str | None):
+    from reclaim.engine.engine import Engine
+    from reclaim.models.loading import load_model
+
+    m, tok = load_model(model)
+    # One conversation at a time: a small cache starts fast.
+    return Engine(m, tok, max_num_seqs=1, max_model_len=min(4096, m.config.max_position_embeddings))
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (a user message, unless --raw)."),
+    model: str = MODEL_ARG,
+    max_tokens: int = typer.Option(256, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
+    seed: int = typer.Option(None, help="Seed for reproducible sampling."),
+    raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
+) -> None:
+    """Generate a reply to PROMPT, streamed to stdout."""
+    import sys
+
+    from reclaim.engine.quickstart import chat_prompt, stream
+
+    params = _sampling(max_tokens, temperature, top_p, seed)
+    engine = _engine(model)
+    text = prompt if raw else chat_prompt(engine.tokenizer, [{"role": "user", "content": prompt}])
+    stream(engine, text, params, sys.stdout)
+
+
+@app.command()
+def chat(
+    model: str = MODEL_ARG,
+    max_tokens: int = typer.Option(512, help="Most tokens per reply."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
+    seed: int = typer.Option(None, help="Seed for reproducible sampling."),
+) -> None:
+    """Chat on stdin: one message per line, replies streamed, history kept ('/reset' clears it)."""
+    import sys
+
+    from reclaim.engine.quickstart import chat_loop
+
+    params = _sampling(max_tokens, temperature, top_p, seed)
+    chat_loop(_engine(model), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
+
+
+@app.command()
+def demo(max_tokens: int = typer.Option(64, help="Most tokens per answer.")) -> None:
+    """The main job on the default model: for now, a batch of prompts through the engine."""
+    from reclaim.engine.quickstart import demo as run_demo
+    from reclaim.models.loading import load_model
+
+    run_demo(*load_model(None), max_tokens=max_tokens)
+
+
 # ---- server: serve (owner: server) ----
 
 @app.command()
@@ -87,6 +155,25 @@ def bench_ssm(
 
 
 # ---- benchmarks: bench engine / bench serve / bench ssm ----
+
+@bench_app.command("engine")
+def bench_engine(
+    model: str = typer.Argument(None, help="HF model directory; omitted: the bundled SmolLM2."),
+    batch_sizes: str = typer.Option("1,16", help="Comma-separated batch sizes."),
+    max_tokens: int = typer.Option(192, help="Most tokens per prompt (greedy, stops at EOS)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate max_tokens."),
+    repeats: int = typer.Option(2, help="Alternating runs per side; the best counts."),
+    threads: int = typer.Option(None, help="torch threads (default: torch's)."),
+    out_dir: str = typer.Option("benchmarks", help="Where engine.json and engine.png go."),
+) -> None:
+    """Generation tokens/s: reclaim's engine vs transformers' generate, same model and prompts."""
+    from reclaim.bench.engine import EngineBenchSpec, main
+
+    spec = EngineBenchSpec(model=model, batch_sizes=[int(b) for b in batch_sizes.split(",")],
+                           max_tokens=max_tokens, ignore_eos=ignore_eos, repeats=repeats,
+                           threads=threads, out_dir=out_dir)
+    main(spec)
+    typer.echo(f"wrote {out_dir}/engine.json and {out_dir}/engine.png")
 
 @bench_app.command("serve")
 def bench_serve(

@@ -53,7 +53,11 @@ class BlockManager:
 
 
 class KVPool:
-    """K and V for every block: tensors [layers, blocks, block_size, Hkv, D]."""
+    """K and V for every block: tensors [layers, Hkv, blocks, block_size, D].
+
+    Heads come before blocks so that a gathered context is, per head, one contiguous [S, D]
+    matrix, which is what the attention kernel reads fastest.
+    """
 
     def __init__(
         self,
@@ -66,14 +70,14 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: padded reads point at slot 0, and garbage there could be NaN.
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+        # Zeros, not empty: padding reads land in real blocks' unused slots, and garbage could be NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
-        # Flat slot views [layers, blocks * block_size, Hkv, D] share storage with k and v.
-        self.k_slots = self.k.view(num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.v_slots = self.v.view(num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # Slot views [layers, Hkv, blocks * block_size, D] share storage with k and v.
+        slots = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.k_slots, self.v_slots = self.k.view(slots), self.v.view(slots)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -86,9 +90,10 @@ class KVPool:
 
 class PagedView:
     """One forward's window on the pool: writes the new K/V to their slots and gathers each row's
-    context, padded to the longest, with a mask (causal within the new tokens, padding hidden).
+    blocks, padded to the longest row (in whole blocks), with a mask: causal within the new
+    tokens, padding hidden.
 
-    All index tensors and the mask are built once here, not per layer. `positions` [B, T] are the
+    Index tensors and the mask are built once here, not per layer. `positions` [B, T] are the
     absolute positions to feed the model (padded query rows get harmless positions).
     """
 
@@ -101,50 +106,46 @@ class PagedView:
         bs = pool.block_size
         b, t = len(new), max(new)
         total = [p + n for p, n in zip(past, new)]
-        s = max(total)
-        width = max(len(tb) for tb in tables)
+        nblk = -(-max(total) // bs)
         if any(len(tb) * bs < n for tb, n in zip(tables, total)):
             raise ValueError(f"block tables too short for totals {total} at block_size {bs}")
-        table_t = torch.tensor([tb + [0] * (width - len(tb)) for tb in tables], device=device)
+        # Each row reads its first nblk blocks (block 0 stands in where a row has fewer).
+        table_t = torch.tensor([(tb + [0] * nblk)[:nblk] for tb in tables], device=device)
+        self.read_blocks = table_t.reshape(-1)
+        s = nblk * bs
         past_t = torch.tensor(past, device=device)
         new_t = torch.tensor(new, device=device)
-        total_t = past_t + new_t
         key_pos = torch.arange(s, device=device)
-        slots = table_t[:, key_pos // bs] * bs + key_pos % bs  # [B, S]
-        key_ok = key_pos < total_t[:, None]
-        self.read_idx = torch.where(key_ok, slots, 0).reshape(-1)
         self.positions = past_t[:, None] + torch.arange(t, device=device)  # [B, T]
         query_ok = torch.arange(t, device=device) < new_t[:, None]  # [B, T]
-        write = slots.gather(1, self.positions.clamp(max=s - 1))
-        self.write_idx = write[query_ok]
+        pos = self.positions[query_ok]
+        rows = torch.arange(b, device=device)[:, None].expand(b, t)[query_ok]
+        self.write_idx = table_t[rows, pos // bs] * bs + pos % bs
         # Rows of the [B*T] new K/V that are real tokens; None when no row is padded.
         self.src_idx = None if min(new) == t else query_ok.reshape(-1).nonzero().squeeze(1)
         self.shape = (b, t, s)
         self.pool = pool
-        self.mask: torch.Tensor | None
-        if b == 1 and past[0] == 0:
-            self.mask = None  # one fresh prompt: plain causal attention
-        elif t == 1 and min(total) == s:
-            self.mask = None  # decode with equal lengths: every key is visible
-        else:
+        self.fresh_prompt = b == 1 and past[0] == 0
+        self.mask: torch.Tensor | None = None  # None: a fresh prompt, plain causal attention
+        if not self.fresh_prompt:
+            key_ok = key_pos < (past_t + new_t)[:, None]
             # Padded query rows still see their row's real keys, so no softmax row is all -inf.
             causal = key_pos[None, None, :] <= self.positions[:, :, None]
             self.mask = (causal & key_ok[:, None, :])[:, None]  # [B, 1, T, S]
-        self.fresh_prompt = b == 1 and past[0] == 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store this layer's new K/V ([B, Hkv, T, D]) and return the rows' full contexts."""
         b, t, s = self.shape
-        kf = k.transpose(1, 2).reshape(b * t, *k.shape[1:2], k.shape[-1])
-        vf = v.transpose(1, 2).reshape(b * t, *v.shape[1:2], v.shape[-1])
+        h, d = k.shape[1], k.shape[-1]
+        kf = k.transpose(0, 1).reshape(h, b * t, d)
+        vf = v.transpose(0, 1).reshape(h, b * t, d)
         if self.src_idx is not None:
-            kf, vf = kf.index_select(0, self.src_idx), vf.index_select(0, self.src_idx)
-        ks, vs = self.pool.k_slots[layer], self.pool.v_slots[layer]
-        ks.index_copy_(0, self.write_idx, kf)
-        vs.index_copy_(0, self.write_idx, vf)
+            kf, vf = kf.index_select(1, self.src_idx), vf.index_select(1, self.src_idx)
+        self.pool.k_slots[layer].index_copy_(1, self.write_idx, kf)
+        self.pool.v_slots[layer].index_copy_(1, self.write_idx, vf)
         if self.fresh_prompt:
             return k, v, None
-        hkv, d = ks.shape[1:]
-        k_all = ks.index_select(0, self.read_idx).view(b, s, hkv, d).transpose(1, 2)
-        v_all = vs.index_select(0, self.read_idx).view(b, s, hkv, d).transpose(1, 2)
+        # [Hkv, B * nblk, bs, D] -> [B, Hkv, S, D], contiguous per (row, head)
+        k_all = self.pool.k[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
+        v_all = self.pool.v[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
         return k_all, v_all, self.mask

@@ -185,10 +185,9 @@ class Attention(nn.Module):
         mask = None
         if cache is not None:
             k, v, mask = cache.update(self.layer, k, v)
-        if self.nkv != self.nh:
-            rep = self.nh // self.nkv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        # enable_gqa lets each K/V head serve its group of query heads without copying it.
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
+                                           enable_gqa=self.nkv != self.nh)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 

@@ -1,0 +1,79 @@
+"""What `reclaim generate`, `reclaim chat` and `reclaim demo` do: the engine on a model, streamed.
+
+Kept apart from cli.py so the commands stay one-liners and these functions can be called (and
+tested) with any model, tokenizer and output stream.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Iterable, TextIO
+
+from reclaim.engine.engine import Engine
+from reclaim.engine.request import RequestOutput, SamplingParams
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused.",
+    "Explain what a neural network is in two sentences.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Name three primary colors.",
+    "Why do leaves change color in autumn?",
+    "Suggest a name for a pet turtle.",
+]
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The conversation in the model's chat template, ready for the assistant's turn."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def stream(engine: Engine, prompt: str | list[int], params: SamplingParams, out: TextIO) -> RequestOutput:
+    """Run one request, writing its text to `out` as it is produced; returns the final output."""
+    rid = engine.add_request(None, prompt, params)
+    final = None
+    while final is None:
+        for o in engine.step():
+            if o.request_id == rid:
+                out.write(o.delta_text)
+                out.flush()
+                final = o if o.finished else None
+    out.write("\n")
+    return final
+
+
+def chat_loop(engine: Engine, params: SamplingParams, lines: Iterable[str], out: TextIO,
+              interactive: bool = False) -> list[dict[str, str]]:
+    """Answer each input line in turn, keeping the conversation; '/reset' clears it. Returns it."""
+    history: list[dict[str, str]] = []
+    if interactive:
+        out.write("Chat with the model; '/reset' starts over, Ctrl-D quits.\n> ")
+        out.flush()
+    for line in lines:
+        line = line.strip()
+        if line == "/reset":
+            history.clear()
+        elif line:
+            history.append({"role": "user", "content": line})
+            reply = stream(engine, chat_prompt(engine.tokenizer, history), params, out)
+            history.append({"role": "assistant", "content": reply.text})
+        if interactive:
+            out.write("> ")
+            out.flush()
+    return history
+
+
+def demo(model: Any, tokenizer: Any, *, max_tokens: int = 64, out: TextIO = sys.stdout) -> dict[str, float]:
+    """A batch of chat prompts through the engine at once; prints answers and tokens/s."""
+    engine = Engine(model, tokenizer, max_num_seqs=len(DEMO_QUESTIONS), max_model_len=2048)
+    prompts = [chat_prompt(tokenizer, [{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
+    t = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    secs = time.perf_counter() - t
+    for q, o in zip(DEMO_QUESTIONS, outs):
+        out.write(f"\n>>> {q}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, {o.finish_reason}]\n")
+    tokens = sum(len(o.token_ids) for o in outs)
+    out.write(f"\n{len(outs)} prompts batched: {tokens} tokens in {secs:.1f} s = {tokens / secs:.1f} tokens/s\n")
+    return {"prompts": len(outs), "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
