@@ -81,3 +81,17 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     chunks = [json.loads(f.removeprefix("data: ")) for f in frames[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 0
+
+
+def test_draining_server_refuses_new_work(server, http):
+    server.state.draining = True
+    try:
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models"), ("GET", "/health")):
+            r = http.request(method, path, json={"prompt": "a", "max_tokens": 2})
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"]["code"] == "service_unavailable"
+        assert http.get("/metrics").status_code == 200  # still scrapeable while draining
+    finally:
+        server.state.draining = False
+    assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
