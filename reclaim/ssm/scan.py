@@ -76,35 +76,54 @@ class Window:
     With the exact adjoint mu, the truncated one is mu_W(i) = mu(i) - (prod_{j=i+1}^{i+W} a_j) *
     mu(i+W): the gradient that reaches h_i only from outputs t < i + W. It is used for the
     parameter and input gradients; the carry to earlier tokens stays exact (mu_W needs exact mu).
-    Backward walks time in reverse, so this object buffers the exact mu and the log-decays of the
-    W tokens after the current segment; reuse one Window per layer across that layer's chunks.
+    Backward walks time in reverse, so this object keeps the exact mu of the W tokens after the
+    current segment; reuse one Window per layer across that layer's chunks, last chunk first.
+    Decays come from R, a running sum of dt in float64 (log prod a over (i, j] = A (R_j - R_i)).
     """
 
     def __init__(self, size: int) -> None:
         if size < 1:
             raise ValueError(f"window size must be >= 1, got {size}")
         self.size = size
-        self.mu: torch.Tensor | None = None  # [B, F, D, N]: exact mu of the next F <= W tokens
-        self.cum: torch.Tensor | None = None  # [B, F, D, N] fp64: log prod a over (end, end + f]
+        self.segments: list[tuple[torch.Tensor, torch.Tensor]] = []  # (mu, R), nearest first
+        self.r_before: torch.Tensor | None = None  # R at the token before the last segment seen
 
-    def truncate(self, mu: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
-        """mu_W for a segment with exact mu [B, L, D, N] and log decays log_a; updates the buffer."""
+    def truncate(self, mu: torch.Tensor, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """mu_W for a segment: exact mu [B, L, D, N], dt [B, L, D], A [D, N]; then remember it."""
         w, n = self.size, mu.shape[1]
-        cum = torch.cumsum(log_a.double(), dim=1)
-        if self.mu is not None:
-            mu_all = torch.cat([mu, self.mu], 1)
-            cum_all = torch.cat([cum, cum[:, -1:] + self.cum], 1)
-        else:
-            mu_all, cum_all = mu, cum
+        c = torch.cumsum(dt.double(), 1)
+        r_end = self.r_before if self.r_before is not None else c.new_zeros(c[:, -1].shape)
+        r = r_end[:, None] - (c[:, -1:] - c)  # R_t = R_end - sum of dt over (t, end]
+        self.r_before = r_end - c[:, -1]
+        self.segments.insert(0, (mu, r))
         out = mu
-        k = mu_all.shape[1] - w  # positions i in the segment with i + W still buffered
+        available = sum(m.shape[1] for m, _ in self.segments)
+        k = min(n, available - w)  # tokens i of this segment whose partner i + W is known
         if k > 0:
-            k = min(k, n)
-            decay = torch.exp(cum_all[:, w : w + k] - cum_all[:, :k]).to(mu.dtype)
+            mu_far, r_far = self._take(w, w + k)
+            decay = torch.exp((r_far - r[:, :k]).to(mu.dtype)[..., None] * A)
             out = mu.clone()
-            out[:, :k] -= decay * mu_all[:, w : w + k]
-        self.mu, self.cum = mu_all[:, :w].clone(), cum_all[:, :w].clone()
+            out[:, :k] -= decay * mu_far
+        # Only the W tokens after the next (earlier) segment can still be partners.
+        kept, size = [], 0
+        for seg in self.segments:
+            if size >= w:
+                break
+            kept.append(seg)
+            size += seg[0].shape[1]
+        self.segments = kept
         return out
+
+    def _take(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu, R) of buffered tokens lo..hi-1, counted from the current segment's start."""
+        mus, rs, off = [], [], 0
+        for m, r in self.segments:
+            a, b = max(lo, off), min(hi, off + m.shape[1])
+            if a < b:
+                mus.append(m[:, a - off : b - off])
+                rs.append(r[:, a - off : b - off])
+            off += m.shape[1]
+        return torch.cat(mus, 1), torch.cat(rs, 1)
 
 
 def _scan_forward(x, dt, A, B, C, h0, blk):
@@ -157,7 +176,7 @@ class SelectiveScan(torch.autograd.Function):
             mu = linear_scan(a_next, inj, carry, reverse=True)
             carry = a[:, 0] * mu[:, 0]
             if window is not None:
-                mu = window.truncate(mu, dts[..., None] * A)
+                mu = window.truncate(mu, dts, A)
             h_prev = torch.cat([states[i][:, None], hs[:, :-1]], 1)
             # Elementwise products and sums: faster here than einsum's per-token tiny matmuls.
             q = mu * h_prev * a  # dL/d(dt A)
