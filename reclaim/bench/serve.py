@@ -247,7 +247,8 @@ def run(spec: ServeBenchSpec) -> dict:
     for level in levels:
         s = level["server"]
         level["ratios"] = {
-            "server_vs_engine_tok_per_s": s["output_tok_per_s"] / level["engine"]["output_tok_per_s"],
+            "server_vs_engine_tok_per_s":
+                s["output_tok_per_s"] / level["engine"]["output_tok_per_s"],
             "server_vs_hf_sequential_tok_per_s": s["output_tok_per_s"] / hf["output_tok_per_s"],
         }
     return {"benchmark": "serve", "model": str(model_dir), "spec": asdict(spec),
@@ -275,8 +276,10 @@ def plot(result: dict, path: Path) -> None:
     levels = result["levels"]
     cs = [lv["concurrency"] for lv in levels]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(cs, [lv["server"]["output_tok_per_s"] for lv in levels], "o-", label="reclaim server (HTTP, SSE)")
-    a.plot(cs, [lv["engine"]["output_tok_per_s"] for lv in levels], "s--", label="reclaim engine, direct")
+    a.plot(cs, [lv["server"]["output_tok_per_s"] for lv in levels], "o-",
+           label="reclaim server (HTTP, SSE)")
+    a.plot(cs, [lv["engine"]["output_tok_per_s"] for lv in levels], "s--",
+           label="reclaim engine, direct")
     a.axhline(result["hf_sequential"]["output_tok_per_s"], color="gray", ls=":",
               label="transformers generate, sequential")
     a.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s",
@@ -294,7 +297,8 @@ def plot(result: dict, path: Path) -> None:
     b.minorticks_off()
     b.legend(fontsize=8)
     fig.suptitle(f"reclaim bench serve: {Path(result['model']).name}, "
-                 f"{result['spec']['max_tokens']} output tokens/request, {result['machine']['device']}")
+                 f"{result['spec']['max_tokens']} output tokens/request, "
+                 f"{result['machine']['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -78,7 +78,8 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT."""
     from reclaim.models.loading import load_model, resolve_model_dir
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model_dir(model)
     weights, tokenizer = load_model(path, device=(engine_args or EngineArgs()).device)
     names = (served_model_name or (model if model else Path(path).name),)

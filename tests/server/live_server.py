@@ -54,7 +54,8 @@ def make_model(tokenizer, max_position_embeddings: int = 256, seed: int = 0) -> 
 
 
 @torch.no_grad()
-def plain_greedy(model, prompt: list[int], max_tokens: int, eos: int) -> tuple[list[int], list[torch.Tensor]]:
+def plain_greedy(model, prompt: list[int], max_tokens: int,
+                 eos: int) -> tuple[list[int], list[torch.Tensor]]:
     """The oracle: greedy decoding by full forwards, no cache; tokens and each step's logprobs."""
     ids, tokens, rows = list(prompt), [], []
     for _ in range(max_tokens):
