@@ -7,14 +7,7 @@ import torch.nn.functional as F
 from reclaim.models.mamba import MambaConfig, MambaForCausalLM
 from reclaim.ssm.adjoint import adjoint_loss_backward
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only adds sync cost (and stalls on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(layers, dtype=torch.float64, vocab=53, hidden=16, state=4, kernel=4, seed=0):

@@ -16,6 +16,8 @@ from reclaim.models.mamba import (
     save_mamba,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CONFIGS = [
     dict(vocab_size=97, hidden_size=32, state_size=8, num_hidden_layers=2),
     dict(vocab_size=61, hidden_size=24, state_size=4, num_hidden_layers=3, expand=3, conv_kernel=3,

@@ -7,14 +7,7 @@ import torch.nn.functional as F
 from reclaim.ssm import scan
 from reclaim.ssm.scan import Window, linear_scan, selective_scan, selective_scan_ref
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only adds sync cost (and stalls on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def inputs(b=2, t=29, d=5, n=3, dtype=torch.float64):
