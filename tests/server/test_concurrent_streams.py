@@ -43,7 +43,7 @@ def test_concurrent_streams_are_complete_and_correct(server):
                                                     add_generation_prompt=True),
                             add_special_tokens=False)
         assert last.usage.prompt_tokens == len(prompt)
-        tokens, _ = plain_greedy(server.model, prompt, MAX_TOKENS, eos=-1)
+        tokens, _ = plain_greedy(server.model, prompt, MAX_TOKENS)
         assert text == tok.decode(tokens, skip_special_tokens=True), f"stream {i}"
     assert len(ids) == CLIENTS
     assert server.healthy()

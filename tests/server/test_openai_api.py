@@ -29,7 +29,7 @@ def visible_text(server, tokens: list[int]) -> str:
 
 def test_chat_matches_plain_greedy_with_logprobs(server, client):
     prompt = chat_prompt(server, CHAT)
-    tokens, rows = plain_greedy(server.model, prompt, 12, eos=-1)
+    tokens, rows = plain_greedy(server.model, prompt, 12)
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=12,
                                        logprobs=True, top_logprobs=3, **GREEDY)
     choice = r.choices[0]
@@ -73,7 +73,7 @@ def test_chat_stream_equals_non_stream(server, client):
 
 def test_completion_token_prompt_logprobs(server, client):
     prompt = server.tokenizer.encode("The quick brown fox")
-    tokens, rows = plain_greedy(server.model, prompt, 8, eos=-1)
+    tokens, rows = plain_greedy(server.model, prompt, 8)
     r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, logprobs=2,
                                   **GREEDY)
     choice = r.choices[0]
@@ -99,7 +99,7 @@ def test_batch_prompts_with_n_are_ordered_and_seeded(server, client):
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     for c in r.choices:  # choices are prompt-major: index // n is the prompt
         ids = server.tokenizer.encode(prompts[c.index // 2])
-        assert c.text == visible_text(server, plain_greedy(server.model, ids, 6, eos=-1)[0])
+        assert c.text == visible_text(server, plain_greedy(server.model, ids, 6)[0])
     assert r.usage.prompt_tokens == sum(len(server.tokenizer.encode(p)) for p in prompts)
     assert r.usage.completion_tokens == 4 * 6
 
