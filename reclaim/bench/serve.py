@@ -187,17 +187,19 @@ def run_engine_level(engine: Any, prompts: list[list[int]], c: int, max_tokens: 
     return summarize(done, time.perf_counter() - t0)
 
 
-def run_hf_sequential(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_hf_sequential(model_dir: Path, prompts: list[list[int]], max_tokens: int,
+                      device: str) -> dict:
     """transformers' generate, one request at a time; TTFT from a separate 1-token generate."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
-                                              dtype=torch.float32).eval()
+                                              dtype=torch.float32).to(device).eval()
     timings = []
     with torch.inference_mode():
-        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False)  # warm-up
+        hf.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2,
+                    do_sample=False)  # warm-up
         for ids in prompts:
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=device)
             t0 = time.perf_counter()
             hf.generate(x, max_new_tokens=1, do_sample=False)
             t1 = time.perf_counter()
@@ -242,7 +244,8 @@ def run(spec: ServeBenchSpec) -> dict:
             levels.append({"concurrency": c, "server": served, "engine": direct})
     finally:
         server.stop()
-    hf = in_thread(run_hf_sequential, model_dir, prompts[:spec.hf_requests], spec.max_tokens)
+    hf = in_thread(run_hf_sequential, model_dir, prompts[:spec.hf_requests], spec.max_tokens,
+                   spec.device)
     print(f"transformers sequential: {_line(hf)}", flush=True)
     for level in levels:
         s = level["server"]
