@@ -164,6 +164,7 @@ class EngineRunner:
         for rid, gen in list(self._sinks.items()):
             del self._sinks[rid]
             self._timing.pop(rid, None)
+            self.metrics.requests_finished.inc(1, ("error",))
             self.engine.abort_request(rid)
             gen.queue.put_nowait(EngineFailure(f"engine step failed: {exc!r}"))
 

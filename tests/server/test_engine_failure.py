@@ -45,4 +45,6 @@ def test_failed_step_is_an_error_not_a_dead_server(failing, caplog):
         assert live.healthy()
         ok = http.post("/v1/completions", json=BODY)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert 'reclaim_requests_finished_total{finish_reason="error"} 2' in \
+            http.get("/metrics").text
     assert live.wait_idle()["kv_blocks_used"] == 0
