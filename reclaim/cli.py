@@ -143,6 +143,7 @@ def bench_ssm(
     device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda."),
     cap_gib: float = typer.Option(None, "--cap-gib", help="Memory cap for 'longest context' (GiB)."),
     max_context: int = typer.Option(None, "--max-context", help="Longest context to try."),
+    threads: int = typer.Option(None, help="Torch CPU threads per point (default 2)."),
     out: str = typer.Option("benchmarks", help="Directory for ssm.json and ssm.png."),
 ) -> None:
     """Peak memory and step time vs context: backprop, checkpointing, exact and truncated adjoint."""
@@ -150,7 +151,8 @@ def bench_ssm(
 
     from reclaim.bench.ssm import bench_spec, main
 
-    spec = bench_spec(quick=quick, device=device, cap_gib=cap_gib, max_context=max_context)
+    spec = bench_spec(quick=quick, device=device, cap_gib=cap_gib, max_context=max_context,
+                      threads=threads)
     main(spec, Path(out))
 
 

@@ -31,15 +31,16 @@ GIB = 1 << 30
 class BenchSpec:
     """One sweep: model shape, contexts, memory cap and the adjoint's chunking."""
 
-    d_model: int = 256
+    d_model: int = 64
     n_layer: int = 4
-    vocab_size: int = 49152  # the default tokenizer's vocabulary
+    vocab_size: int = 256  # bytes: keeps the LM head from dwarfing the layer stack on a CPU
     chunk_size: int = 2048
     window: int = 1024
     loss_chunk: int = 1024
-    cap_gib: float = 3.0
-    hard_limit_gib: float = 14.0
-    contexts: list[int] = field(default_factory=lambda: [4096 << i for i in range(8)])
+    cap_gib: float = 1.0
+    hard_limit_gib: float = 12.0
+    contexts: list[int] = field(default_factory=lambda: [4096 << i for i in range(6)])
+    reference_context: int = 65536  # every mode runs up to here, over the cap or not
     max_point_s: float = 600.0  # stop growing a mode's context once one step takes longer
     device: str = "cpu"
     threads: int = 2
@@ -75,8 +76,12 @@ def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
         opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                         "exp_avg_sq": torch.zeros_like(p)}
         p.grad = torch.zeros_like(p)
-    batch = torch.randint(0, spec.vocab_size, (1, context + 1), generator=torch.Generator()
-                          .manual_seed(spec.seed)).to(device)
+    gen = torch.Generator().manual_seed(spec.seed)
+    warm = torch.randint(0, spec.vocab_size, (1, 512), generator=gen).to(device)
+    loss_backward(model, warm, cfg)  # first-call work (lazy imports, kernels) off the clock
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    batch = torch.randint(0, spec.vocab_size, (1, context), generator=gen).to(device)
     params = sum(p.numel() for p in model.parameters())
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -145,7 +150,8 @@ def run_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
 
 
 def sweep(spec: BenchSpec, modes: tuple[str, ...] = MODES, log=print) -> list[dict[str, Any]]:
-    """Every mode at growing contexts until one fails, passes the hard limit, or runs too long."""
+    """Every mode at growing contexts: on past the cap up to the reference context, then on while
+    under the cap; a mode stops early when a point fails (hard limit, OOM) or runs too long."""
     points = []
     for mode in modes:
         for context in spec.contexts:
@@ -156,7 +162,8 @@ def sweep(spec: BenchSpec, modes: tuple[str, ...] = MODES, log=print) -> list[di
                 break
             log(f"{mode:>10} {context:>8}: peak {p['peak_bytes'] / GIB:7.3f} GiB  "
                 f"step {p['step_s']:8.2f} s  {p['tokens_per_s']:8.0f} tok/s  loss {p['loss']:.4f}")
-            if p["step_s"] > spec.max_point_s:
+            over_cap = p["peak_bytes"] > spec.cap_gib * GIB
+            if p["step_s"] > spec.max_point_s or (over_cap and context >= spec.reference_context):
                 break
     return points
 
@@ -270,15 +277,16 @@ def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict
 
 
 def bench_spec(*, quick: bool = False, device: str = "cpu", cap_gib: float | None = None,
-               max_context: int | None = None) -> BenchSpec:
+               max_context: int | None = None, threads: int | None = None) -> BenchSpec:
     """The sweep `reclaim bench ssm` runs: sized for this CPU machine, a GPU, or a quick smoke run."""
     if quick:
-        spec = BenchSpec(d_model=64, n_layer=4, chunk_size=1024, window=512, cap_gib=0.5,
-                         contexts=[4096, 8192, 16384], device=device)
+        spec = BenchSpec(chunk_size=1024, window=512, cap_gib=0.25, reference_context=8192,
+                         contexts=[2048, 4096, 8192, 16384], device=device)
     elif device.startswith("cuda"):
-        # A ~130M-parameter Mamba (d_model 768, 24 layers) under the issue's 8 GiB cap.
-        spec = BenchSpec(d_model=768, n_layer=24, chunk_size=8192, window=2048, loss_chunk=4096,
-                         cap_gib=8.0, hard_limit_gib=1e9,
+        # 8 layers of d_model 256 with GPT-NeoX's vocabulary (as HF Mamba): backprop still fits
+        # 64K tokens on a large GPU, so the 64K comparison is measured, not extrapolated.
+        spec = BenchSpec(d_model=256, n_layer=8, vocab_size=50280, chunk_size=8192, window=2048,
+                         loss_chunk=4096, cap_gib=8.0, hard_limit_gib=1e9,
                          contexts=[4096 << i for i in range(10)], device=device)
     else:
         spec = BenchSpec(device=device)
@@ -286,4 +294,6 @@ def bench_spec(*, quick: bool = False, device: str = "cpu", cap_gib: float | Non
         spec.cap_gib = cap_gib
     if max_context is not None:
         spec.contexts = [c for c in spec.contexts if c <= max_context] or [max_context]
+    if threads is not None:
+        spec.threads = threads
     return spec
