@@ -140,7 +140,7 @@ def _scan_forward(x, dt, A, B, C, h0, blk):
         a, b = _discretize(x[:, s:e], dt[:, s:e], A, B[:, s:e])
         hs = linear_scan(a, b, h)
         ys.append((hs * C[:, s:e, None, :]).sum(-1))
-        h = hs[:, -1]
+        h = hs[:, -1].clone()  # not a view: it would keep the whole block alive
         states.append(h)
     return torch.cat(ys, 1), states
 
