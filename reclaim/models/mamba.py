@@ -219,7 +219,8 @@ class MambaMixer(nn.Module):
         t = u.shape[1]
         x, z = self.in_proj(u).chunk(2, dim=-1)
         xc = torch.cat([conv0.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+T, D]
-        conv1 = xc[:, xc.shape[1] - (self.kernel - 1) :].transpose(1, 2)
+        # A copy, not a view: a view would keep this whole chunk's input alive with the state.
+        conv1 = xc[:, xc.shape[1] - (self.kernel - 1) :].transpose(1, 2).clone()
         # Causal depthwise conv as K shifted multiply-adds: far faster on CPU than grouped conv1d.
         w = self.conv1d.weight[:, 0]  # [D, K]
         x = xc[:, :t] * w[:, 0]

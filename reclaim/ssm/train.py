@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import time
@@ -144,14 +143,7 @@ def build_model(cfg: SSMTrainConfig, vocab_size: int) -> torch.nn.Module:
     config = mamba.MambaConfig(vocab_size=vocab_size, hidden_size=cfg.d_model,
                                num_hidden_layers=cfg.n_layer, state_size=cfg.d_state,
                                expand=cfg.expand)
-    model = mamba.MambaForCausalLM(config)
-    with torch.no_grad():
-        # mamba_ssm's training init: small embeddings (they are also the tied head) and residual
-        # output projections scaled by 1/sqrt(n_layer), so the initial loss is near log(vocab).
-        model.backbone.embeddings.weight.normal_(0.0, 0.02)
-        for layer in model.backbone.layers:
-            layer.mixer.out_proj.weight.div_(math.sqrt(cfg.n_layer))
-    return model
+    return mamba.MambaForCausalLM(config)
 
 
 def load_tokenizer(name: str | None) -> Any:
