@@ -1,0 +1,35 @@
+"""`reclaim generate` and `reclaim chat` on the default model: what they print is what the engine
+generates for the chat-templated conversation, and chat keeps the history."""
+
+import io
+
+from typer.testing import CliRunner
+
+from reclaim.cli import app
+from reclaim.engine.engine import Engine
+from reclaim.engine.quickstart import chat_loop, chat_prompt
+from reclaim.engine.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def test_chat_keeps_history_and_streams_replies(smol):
+    model, tok, _ = smol
+    out = io.StringIO()
+    history = chat_loop(Engine(model, tok, max_model_len=512), GREEDY, ["My name is Ada.", "", "Who am I?"], out)
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    ref = Engine(model, tok, max_model_len=512)
+    first = ref.generate([chat_prompt(tok, history[:1])], GREEDY)[0].text
+    second = ref.generate([chat_prompt(tok, history[:3])], GREEDY)[0].text
+    assert history[1]["content"] == first and history[3]["content"] == second
+    assert out.getvalue() == f"{first}\n{second}\n"
+
+
+def test_generate_command_prints_the_engine_output(smol, default_model_dir):
+    model, tok, _ = smol
+    res = CliRunner().invoke(app, ["generate", "What is 2+2?", "--model", str(default_model_dir),
+                                   "--max-tokens", "8"])
+    assert res.exit_code == 0, res.output
+    want = Engine(model, tok, max_model_len=512).generate(
+        [chat_prompt(tok, [{"role": "user", "content": "What is 2+2?"}])], GREEDY)[0].text
+    assert want and res.stdout.endswith(want + "\n")
