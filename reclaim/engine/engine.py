@@ -159,8 +159,11 @@ class Engine:
         else:
             ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
-        if ids and not all(0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {ids}")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are out of range; allowed: 0 to {vocab - 1}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer to detokenize")
         if not 1 <= len(ids) < self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; allowed: 1 to {self.max_model_len - 1} "
@@ -174,8 +177,6 @@ class Engine:
             detok=IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
         )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer to detokenize")
         with self._inbox_lock:
             pending = {r.seq.request_id for kind, r in self._inbox if kind == "add"}
             if request_id in self._requests or request_id in pending:

@@ -67,7 +67,7 @@ def chat_loop(engine: Engine, params: SamplingParams, lines: Iterable[str], out:
 
 def demo(model: Any, tokenizer: Any, *, max_tokens: int = 64, out: TextIO = sys.stdout) -> dict[str, float]:
     """A batch of chat prompts through the engine at once; prints answers and tokens/s."""
-    engine = Engine(model, tokenizer, max_num_seqs=len(DEMO_QUESTIONS), max_model_len=2048)
+    engine = Engine(model, tokenizer, max_num_seqs=len(DEMO_QUESTIONS), max_model_len=1024)
     prompts = [chat_prompt(tokenizer, [{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))

@@ -164,6 +164,8 @@ def test_prompt_longer_than_cache_is_rejected_clearly(tiny):
     eng = _engine(tiny[0], num_blocks=4, block_size=4, max_model_len=16)
     with pytest.raises(ValueError, match="prompt has 16 tokens; allowed: 1 to 15"):
         eng.add_request("x", list(range(2, 18)))
+    with pytest.raises(ValueError, match=r"prompt token ids \[96\] are out of range; allowed: 0 to 95"):
+        eng.add_request("y", [3, 96])
     with pytest.raises(ValueError, match="exceeds the cache"):
         _engine(tiny[0], num_blocks=4, block_size=4, max_model_len=32)
 

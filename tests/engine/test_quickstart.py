@@ -16,9 +16,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 def test_chat_keeps_history_and_streams_replies(smol):
     model, tok, _ = smol
     out = io.StringIO()
-    history = chat_loop(Engine(model, tok, max_model_len=512), GREEDY, ["My name is Ada.", "", "Who am I?"], out)
+    history = chat_loop(Engine(model, tok, max_model_len=512, max_num_seqs=4), GREEDY, ["My name is Ada.", "", "Who am I?"], out)
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
-    ref = Engine(model, tok, max_model_len=512)
+    ref = Engine(model, tok, max_model_len=512, max_num_seqs=4)
     first = ref.generate([chat_prompt(tok, history[:1])], GREEDY)[0].text
     second = ref.generate([chat_prompt(tok, history[:3])], GREEDY)[0].text
     assert history[1]["content"] == first and history[3]["content"] == second
@@ -30,6 +30,6 @@ def test_generate_command_prints_the_engine_output(smol, default_model_dir):
     res = CliRunner().invoke(app, ["generate", "What is 2+2?", "--model", str(default_model_dir),
                                    "--max-tokens", "8"])
     assert res.exit_code == 0, res.output
-    want = Engine(model, tok, max_model_len=512).generate(
+    want = Engine(model, tok, max_model_len=512, max_num_seqs=4).generate(
         [chat_prompt(tok, [{"role": "user", "content": "What is 2+2?"}])], GREEDY)[0].text
     assert want and res.stdout.endswith(want + "\n")

@@ -17,7 +17,7 @@ def _chat(tok, q):
 def test_greedy_batch_equals_transformers_generate(smol):
     model, tok, hf = smol
     prompts = [tok.encode(_chat(tok, q)) for q in QUESTIONS]
-    outs = Engine(model, tok, max_model_len=512).generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    outs = Engine(model, tok, max_model_len=512, max_num_seqs=4).generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     for p, o in zip(prompts, outs):
         ref = hf_generate(hf, torch.tensor([p]), max_new_tokens=24)[0].tolist()
         eos = tok.eos_token_id
@@ -30,7 +30,7 @@ def test_greedy_batch_equals_transformers_generate(smol):
 
 def test_stop_string_with_real_tokenizer(smol):
     model, tok, _ = smol
-    eng = Engine(model, tok, max_model_len=512)
+    eng = Engine(model, tok, max_model_len=512, max_num_seqs=4)
     prompt = _chat(tok, QUESTIONS[0])
     free = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0].text
     stop = free.split()[2]
