@@ -3,11 +3,12 @@
 Modes: backprop, per-layer checkpointed backprop, exact adjoint, truncated adjoint, all on one
 Mamba LM and all with the same sub-chunked loss head (so the vocabulary never spans the sequence
 in any mode and the comparison is about the layer stack). Every (mode, context) point runs in a
-fresh subprocess: one optimizer step (forward, backward, AdamW) after the model and optimizer
-state exist. Memory is that step's peak above the process's resident memory before it: on CUDA
-`torch.cuda.max_memory_allocated`; on CPU the kernel's resident-set high-water mark (VmHWM, reset
-right before the step) against the RSS before it. A parent-side watchdog kills a point whose RSS passes the hard limit, so
-a sweep never takes the machine down; such a point is recorded as "over the limit".
+fresh subprocess: one optimizer step (forward, backward, AdamW) after a short warm-up step, with
+the model and optimizer state already allocated. Memory is that step's peak above the process's
+memory before it: on CUDA `torch.cuda.max_memory_allocated`; on CPU the kernel's resident-set
+high-water mark (VmHWM, reset right before the step) against the RSS before it, with glibc told
+to return freed tensor buffers to the OS (see run_point). A parent-side watchdog kills a point
+whose RSS passes the hard limit, so a sweep never takes the machine down.
 """
 
 from __future__ import annotations
@@ -116,8 +117,12 @@ def run_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
     """measure_point in a fresh process, killed if its RSS passes spec.hard_limit_gib."""
     arg = json.dumps({"spec": asdict(spec), "mode": mode, "context": context})
     code = "from reclaim.bench.ssm import _child; _child()"
+    # glibc's heap keeps freed multi-MB tensor buffers resident (an RSS ratchet of ~1 KB/token in
+    # the adjoint's chunk loop); with a fixed mmap threshold they go back to the OS on free, so
+    # the RSS peak tracks live memory. Same allocator policy for every mode.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.Popen([sys.executable, "-c", code, arg], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     killed: list[str] = []
 
     def watch() -> None:
@@ -168,16 +173,28 @@ def sweep(spec: BenchSpec, modes: tuple[str, ...] = MODES, log=print) -> list[di
     return points
 
 
+def longest_under(points: list[dict[str, Any]], cap_bytes: float) -> dict[str, dict[str, Any]]:
+    """Per mode: the longest measured context whose step stayed under the cap, and whether the
+    sweep ended for time rather than memory (then longer contexts may fit too)."""
+    out = {}
+    for m in MODES:
+        mine = [p for p in points if p["mode"] == m]
+        fit = [p["context"] for p in mine if "failed" not in p and p["peak_bytes"] <= cap_bytes]
+        memory_bound = any("failed" in p or p["peak_bytes"] > cap_bytes for p in mine)
+        out[m] = {"context": max(fit, default=0), "limited_by_time": bool(fit) and not memory_bound}
+    return out
+
+
 def summarize(spec: BenchSpec, points: list[dict[str, Any]]) -> dict[str, Any]:
-    """Longest context under the cap per mode, and ratios against backprop."""
+    """Longest context under the cap (and half and a quarter of it) per mode; ratios to backprop."""
     ok = [p for p in points if "failed" not in p]
-    cap = spec.cap_gib * GIB
     by = {(p["mode"], p["context"]): p for p in ok}
-    longest = {m: max((p["context"] for p in ok if p["mode"] == m and p["peak_bytes"] <= cap),
-                      default=0) for m in MODES}
-    # A mode whose sweep ended for time, not memory, may train longer contexts than measured.
-    limited_by_time = {m: bool(longest[m]) and not any(
-        q["mode"] == m and ("failed" in q or q["peak_bytes"] > cap) for q in points) for m in MODES}
+    caps = {}
+    for cap_gib in (spec.cap_gib / 4, spec.cap_gib / 2, spec.cap_gib):
+        longest = longest_under(points, cap_gib * GIB)
+        base = longest["backprop"]["context"]
+        caps[f"{cap_gib:g}"] = {m: {**v, "vs_backprop": v["context"] / base if base else None}
+                                for m, v in longest.items()}
     ratios: dict[str, Any] = {}
     for m in MODES[1:]:
         common = sorted(c for (mm, c) in by if mm == m and ("backprop", c) in by)
@@ -185,11 +202,8 @@ def summarize(spec: BenchSpec, points: list[dict[str, Any]]) -> dict[str, Any]:
             "memory_vs_backprop": {c: by["backprop", c]["peak_bytes"] / max(1, by[m, c]["peak_bytes"])
                                    for c in common},
             "time_vs_backprop": {c: by[m, c]["step_s"] / by["backprop", c]["step_s"] for c in common},
-            "longest_context_vs_backprop": (longest[m] / longest["backprop"]
-                                            if longest["backprop"] else None),
         }
-    return {"longest_context_under_cap": longest, "longest_limited_by_time": limited_by_time,
-            "ratios": ratios}
+    return {"longest_context_under_cap_gib": caps, "ratios": ratios}
 
 
 def plot(spec: BenchSpec, points: list[dict[str, Any]], path: Path) -> None:
@@ -240,14 +254,20 @@ def memory_sources(spec: BenchSpec, context: int) -> dict[str, int]:
 
 
 def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict[str, Any]:
-    """Run the sweep, print the summary and where memory comes from, write ssm.json and ssm.png."""
+    """Run the sweep, then `report` it."""
     log(f"bench ssm: d_model={spec.d_model} n_layer={spec.n_layer} vocab={spec.vocab_size} "
         f"device={spec.device} cap={spec.cap_gib} GiB contexts={spec.contexts}")
-    points = sweep(spec, log=log)
+    return report(spec, sweep(spec, log=log), out_dir, log)
+
+
+def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=print) -> dict[str, Any]:
+    """Print the summary and where memory comes from; write ssm.json and ssm.png."""
     summary = summarize(spec, points)
-    longest = summary["longest_context_under_cap"]
-    log(f"longest context under {spec.cap_gib} GiB: " + ", ".join(
-        f"{m} {c}{'+' if summary['longest_limited_by_time'][m] else ''}" for m, c in longest.items()))
+    for cap, longest in summary["longest_context_under_cap_gib"].items():
+        log(f"longest context under {cap} GiB: " + ", ".join(
+            f"{m} {v['context']}{'+' if v['limited_by_time'] else ''}"
+            + (f" ({v['vs_backprop']:.0f}x)" if v["vs_backprop"] and m != "backprop" else "")
+            for m, v in longest.items()))
     for m, r in summary["ratios"].items():
         log(f"{m:>10} vs backprop: memory " + ", ".join(
             f"{c}: {v:.1f}x less" for c, v in r["memory_vs_backprop"].items()) + "; time " + ", ".join(
@@ -265,7 +285,7 @@ def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict
         if len(ps) >= 2:
             a, b = ps[-2], ps[-1]
             slopes[m] = (b["peak_bytes"] - a["peak_bytes"]) / (b["context"] - a["context"])
-    log("memory growth per token (measured slope between the two longest points): " + ", ".join(
+    log("memory growth per token (slope between the two longest points): " + ", ".join(
         f"{m} {v / 1024:.2f} KiB" for m, v in slopes.items()))
     result = {"spec": asdict(spec), "points": points, "summary": summary,
               "adjoint_memory_sources_bytes": sources, "bytes_per_token_slope": slopes}

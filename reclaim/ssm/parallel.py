@@ -143,6 +143,17 @@ def _all_reduce_grads(params: list[nn.Parameter], stash: list[torch.Tensor | Non
         p.grad = g if old is None else old + g
 
 
+def _setup(group, input_ids: torch.Tensor, labels: torch.Tensor | None, chunk: int):
+    """This rank, world size, neighbours' global ranks, aligned labels, token count, chunks."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    prev, nxt = (None if not 0 <= r < world else
+                 dist.get_global_rank(group, r) if group is not None else r
+                 for r in (rank - 1, rank + 1))
+    lab = aligned_labels(input_ids, labels)
+    n_tokens = int((lab != -100).sum())
+    return rank, world, prev, nxt, lab, n_tokens, chunk_bounds(input_ids.shape[1], chunk)
+
+
 def stage_parameters(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
     """The parameters rank `rank` owns in the layer-sharded pipeline (build its optimizer on them)."""
     bb = model.backbone
@@ -165,17 +176,11 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     Accumulates .grad for the parameters this rank owns (`stage_parameters`); every rank gets
     the loss. Each rank keeps its stage input per chunk (T x d) and its layers' boundary states.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world, prev, nxt, lab, n_tokens, bounds = _setup(group, input_ids, labels, chunk)
     emb, layers = model.backbone.embeddings, model.backbone.layers
     block = layer_blocks(len(layers), world)[rank]
     first, last = rank == 0, rank == world - 1
-    prev, nxt = (dist.get_global_rank(group, r) if group is not None else r
-                 for r in (rank - 1, rank + 1))
     bsz = input_ids.shape[0]
-    with torch.no_grad():
-        lab = aligned_labels(input_ids, labels)
-        n_tokens = int((lab != -100).sum())
-    bounds = chunk_bounds(input_ids.shape[1], chunk)
     width = emb.weight.shape[1]
     # A tied embedding/head weight gets gradient on the first and the last rank: sum the two.
     tied = [emb.weight] if model.lm_head.weight is emb.weight else []
@@ -232,15 +237,9 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     gradients and the loss are then all-reduced. Every rank passes the full input_ids (it reads
     only its segment); each keeps its segment's layer inputs (K x T/W x d).
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world, prev, nxt, lab, n_tokens, bounds = _setup(group, input_ids, labels, chunk)
     emb, layers = model.backbone.embeddings, model.backbone.layers
-    prev, nxt = (dist.get_global_rank(group, r) if group is not None else r
-                 for r in (rank - 1, rank + 1))
     bsz = input_ids.shape[0]
-    with torch.no_grad():
-        lab = aligned_labels(input_ids, labels)
-        n_tokens = int((lab != -100).sum())
-    bounds = chunk_bounds(input_ids.shape[1], chunk)
     mine = [bounds[c] for c in time_segments(len(bounds), world)[rank]]
     like = layers[0].mixer.zero_state(bsz, emb.weight)
     params = _unique_parameters(model)
