@@ -167,7 +167,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.text(i, max(hf[i], ours[i]) * 1.02, f"{r['speedup']:.2f}x", ha="center")
     ax.set_xticks(list(x), [f"batch {r['batch_size']}" for r in rows])
     ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"Greedy generation, {Path(result['model']).name}, {result['dtype']}, CPU")
+    ax.set_title(f"Greedy generation on {result['machine']}, {result['torch_threads']} thread(s)\n"
+                 f"{Path(result['model']).name}, {result['dtype']}", fontsize=9)
     ax.set_ylim(0, max(hf + ours) * 1.15)
     ax.legend(loc="upper left")
     fig.tight_layout()

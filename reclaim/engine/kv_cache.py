@@ -127,7 +127,9 @@ class PagedView:
         self.pool = pool
         self.fresh_prompt = b == 1 and past[0] == 0
         self.mask: torch.Tensor | None = None  # None: a fresh prompt, plain causal attention
-        if not self.fresh_prompt:
+        # One row decoding one token sees exactly its keys: cut the block padding, skip the mask.
+        self.keep = total[0] if b == 1 and t == 1 else s
+        if not self.fresh_prompt and self.keep == s:
             key_ok = key_pos < (past_t + new_t)[:, None]
             # Padded query rows still see their row's real keys, so no softmax row is all -inf.
             causal = key_pos[None, None, :] <= self.positions[:, :, None]
@@ -148,4 +150,6 @@ class PagedView:
         # [Hkv, B * nblk, bs, D] -> [B, Hkv, S, D], contiguous per (row, head)
         k_all = self.pool.k[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
         v_all = self.pool.v[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
+        if self.keep < s:
+            k_all, v_all = k_all[:, :, : self.keep], v_all[:, :, : self.keep]
         return k_all, v_all, self.mask
