@@ -139,7 +139,7 @@ def ssm_train(
 
 @bench_app.command("ssm")
 def bench_ssm(
-    quick: bool = typer.Option(False, "--quick", help="Small model, contexts 4K-16K: a smoke run."),
+    quick: bool = typer.Option(False, "--quick", help="Contexts 2K-16K under a 0.25 GiB cap: a smoke run."),
     device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda."),
     cap_gib: float = typer.Option(None, "--cap-gib", help="Memory cap for 'longest context' (GiB)."),
     max_context: int = typer.Option(None, "--max-context", help="Longest context to try."),
