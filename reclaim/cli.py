@@ -72,12 +72,21 @@ def chat(
 
 
 @app.command()
-def demo(max_tokens: int = typer.Option(64, help="Most tokens per answer.")) -> None:
-    """The main job on the default model: for now, a batch of prompts through the engine."""
+def demo(
+    max_tokens: int = typer.Option(64, help="Most tokens per answer."),
+    ssm_steps: int = typer.Option(5, help="Adjoint training steps of the SSM part (0 skips it)."),
+) -> None:
+    """The main job on the default model: batched generation, then a few exact-adjoint SSM steps."""
     from reclaim.engine.quickstart import demo as run_demo
     from reclaim.models.loading import load_model
 
+    typer.echo("== inference engine: a batch of chat prompts on the default model ==")
     run_demo(*load_model(None), max_tokens=max_tokens)
+    if ssm_steps > 0:
+        from reclaim.ssm.train import demo_ssm
+
+        typer.echo("\n== long-context SSM training: exact adjoint on the stdlib corpus ==")
+        demo_ssm(steps=ssm_steps)
 
 
 # ---- server: serve (owner: server) ----
