@@ -59,12 +59,8 @@ def make_pair(seed: int = 0, **overrides) -> tuple[LlamaForCausalLM, transformer
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and busy-waiting threads crawl on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every engine test runs its tiny models on one thread (see tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

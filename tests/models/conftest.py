@@ -53,13 +53,9 @@ def family(request) -> str:
 
 
 @pytest.fixture
-def tiny_dir(family: str, tmp_path: Path):
+def tiny_dir(family: str, tmp_path: Path, one_thread):
     """(directory written by transformers' save_pretrained, the transformers model) for `family`."""
     hf = make_hf_model(family)
     path = tmp_path / family
     hf.save_pretrained(path)
-    # Tiny matmuls gain nothing from threads and slow down badly when the cores are shared.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield path, hf
-    torch.set_num_threads(threads)
+    return path, hf
