@@ -93,7 +93,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None) -> Path:
 
 # ---- atomic directories ------------------------------------------------------------------------
 
-def _atomic_dir(path: Path, write: Callable[[Path], None]) -> Path:
+def atomic_dir(path: Path, write: Callable[[Path], None]) -> Path:
     """Run `write` into a temp dir beside `path`, then rename it into place (replacing a model dir)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
         if not target.exists():  # another process may have finished while we waited for the lock
             for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed process
                 shutil.rmtree(stale, ignore_errors=True)
-            _atomic_dir(target, build)
+            atomic_dir(target, build)
     return target
 
 
@@ -184,7 +184,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
-class _SafetensorsSource(Mapping[str, torch.Tensor]):
+class SafetensorsSource(Mapping[str, torch.Tensor]):
     """Read-on-demand view of a directory's tensors, so a model loads one tensor at a time."""
 
     def __init__(self, path: Path) -> None:
@@ -271,7 +271,7 @@ def load_checkpoint(
     """The model alone from an HF directory (or the default model); dtype None keeps the stored one."""
     path = resolve_model_dir(name_or_path)
     cfg = read_config(path)
-    return build_model(cfg, _SafetensorsSource(path), dtype=dtype, device=device, source=str(path))
+    return build_model(cfg, SafetensorsSource(path), dtype=dtype, device=device, source=str(path))
 
 
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
@@ -365,7 +365,7 @@ def save_model(
 
     Replaces an existing model directory at `path`; tokenizer may be None.
     """
-    return _atomic_dir(Path(path), lambda tmp: _write_model_dir(model, tokenizer, tmp, max_shard_size))
+    return atomic_dir(Path(path), lambda tmp: _write_model_dir(model, tokenizer, tmp, max_shard_size))
 
 
 # ---- GGUF --------------------------------------------------------------------------------------

@@ -357,7 +357,7 @@ def _read_json(file: Path) -> dict[str, Any]:
 
 def load_mamba(path: str | os.PathLike, dtype: torch.dtype | None = None) -> MambaForCausalLM:
     """Load an HF Mamba directory (config.json + safetensors) or a mamba_ssm one (pytorch_model.bin)."""
-    from reclaim.models.loading import _SafetensorsSource
+    from reclaim.models.loading import SafetensorsSource
 
     path = Path(path)
     raw = _read_json(path / "config.json")
@@ -368,7 +368,7 @@ def load_mamba(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Mam
     if (path / MAMBA_SSM_WEIGHTS).is_file() and not any(path.glob("*.safetensors")):
         state = torch.load(path / MAMBA_SSM_WEIGHTS, map_location="cpu", weights_only=True)
     else:
-        src = _SafetensorsSource(path)
+        src = SafetensorsSource(path)
         state = {k: src[k] for k in src}
     state = mamba_ssm_to_hf_keys(state)
     if cfg.tie_word_embeddings:
@@ -385,23 +385,26 @@ def load_mamba(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Mam
     return model.to(dtype) if dtype is not None else model
 
 
-def save_mamba(model: MambaForCausalLM, path: str | os.PathLike, *, layout: str = "hf") -> Path:
-    """Write `model` atomically as an HF directory (layout='hf') or a mamba_ssm one ('mamba_ssm')."""
-    from reclaim.models.loading import _atomic_dir, write_weights
+def write_mamba(model: MambaForCausalLM, path: Path, layout: str = "hf") -> None:
+    """Write `model` into the existing directory `path` as an HF ('hf') or mamba_ssm layout."""
+    from reclaim.models.loading import write_weights
 
     if layout not in ("hf", "mamba_ssm"):
         raise ValueError(f"unknown layout {layout!r}; supported: ['hf', 'mamba_ssm']")
     cfg = model.config
+    if layout == "hf":
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        conf = {**cfg.to_hf(), "torch_dtype": dtype}
+        (path / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+        write_weights(model, cfg, path, "5GB")
+    else:
+        (path / "config.json").write_text(json.dumps(cfg.to_mamba_ssm(), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        torch.save(hf_to_mamba_ssm_keys(state), path / MAMBA_SSM_WEIGHTS)
 
-    def write(tmp: Path) -> None:
-        if layout == "hf":
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            conf = {**cfg.to_hf(), "torch_dtype": dtype}
-            (tmp / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-            write_weights(model, cfg, tmp, "5GB")
-        else:
-            (tmp / "config.json").write_text(json.dumps(cfg.to_mamba_ssm(), indent=2) + "\n")
-            state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-            torch.save(hf_to_mamba_ssm_keys(state), tmp / MAMBA_SSM_WEIGHTS)
 
-    return _atomic_dir(Path(path), write)
+def save_mamba(model: MambaForCausalLM, path: str | os.PathLike, *, layout: str = "hf") -> Path:
+    """Write `model` atomically as an HF directory (layout='hf') or a mamba_ssm one ('mamba_ssm')."""
+    from reclaim.models.loading import atomic_dir
+
+    return atomic_dir(Path(path), lambda tmp: write_mamba(model, tmp, layout))

@@ -14,7 +14,6 @@ import os
 import shutil
 import time
 import typing
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,12 +204,6 @@ def loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, cfg: SSMTrain
 CHECKPOINT_PREFIX = "checkpoint-"
 
 
-def _save_model(model: torch.nn.Module, path: Path) -> None:
-    from reclaim.models import mamba
-
-    mamba.save_mamba(model, path)
-
-
 def _load_weights(model: torch.nn.Module, path: Path) -> None:
     from reclaim.models import mamba
 
@@ -228,21 +221,18 @@ def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
                     state: dict[str, Any], tokenizer: Any = None) -> Path:
     """Write checkpoint-{step}/ (HF model dir + optimizer + scheduler + trainer_state.json) atomically."""
-    final = output_dir / f"{CHECKPOINT_PREFIX}{step}"
-    tmp = output_dir / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        _save_model(model, tmp)
+    from reclaim.models.loading import atomic_dir
+    from reclaim.models.mamba import write_mamba
+
+    def write(tmp: Path) -> None:
+        write_mamba(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-        if final.exists():  # a re-run of the same step: replace the old copy
-            shutil.rmtree(final)
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return atomic_dir(output_dir / f"{CHECKPOINT_PREFIX}{step}", write)
 
 
 def _lr_lambda(cfg: SSMTrainConfig):
