@@ -10,11 +10,24 @@ A shard is one layer k over one time chunk c. Its backward needs the cotangent o
 Distributed variants keep O(T d) activations per rank (stage inputs or segment residual streams),
 never the O(T d N) scan states. Point-to-point sends are asynchronous and every rank follows one
 global order of shards, so no schedule can deadlock.
+
+Both distributed variants take `window` (truncated adjoint, T-bar) and then equal the single-process
+`adjoint_loss_backward(..., window=W)`. By layer, a rank owns whole layers over all chunks, so one
+`scan.Window` per owned layer runs locally. By time, a layer's Window on rank r needs the exact
+state adjoint of the W tokens after its segment and the running dt-sum there, which rank r+1
+holds: rank r+1 sends them (`Window.handoff`) with the carry.
+
+For training by layer (`reclaim ssm-train --sharding layer` under torchrun) a rank keeps only its
+block (`free_other_stages`), optimizes `stage_parameters`, clips by the global norm
+(`clip_grad_norm_global` over `norm_parameters`) and lends its block to rank 0 for a checkpoint
+(`gathered_weights`). By time and data parallel every rank holds the whole model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +37,7 @@ from torch import nn
 from reclaim.models.mamba import LayerState
 from reclaim.ssm.adjoint import (aligned_labels, cell_backward, cell_forward, chunk_bounds,
                                  chunk_inputs, embed_backward, forward_states, head_backward)
+from reclaim.ssm.scan import Window
 
 
 @dataclass(frozen=True)
@@ -143,8 +157,11 @@ def _all_reduce_grads(params: list[nn.Parameter], stash: list[torch.Tensor | Non
         p.grad = g if old is None else old + g
 
 
-def _setup(group, input_ids: torch.Tensor, labels: torch.Tensor | None, chunk: int):
+def _setup(group, input_ids: torch.Tensor, labels: torch.Tensor | None, chunk: int,
+           window: int | None):
     """This rank, world size, neighbours' global ranks, aligned labels, token count, chunks."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     prev, nxt = (None if not 0 <= r < world else
                  dist.get_global_rank(group, r) if group is not None else r
@@ -152,6 +169,23 @@ def _setup(group, input_ids: torch.Tensor, labels: torch.Tensor | None, chunk: i
     lab = aligned_labels(input_ids, labels)
     n_tokens = int((lab != -100).sum())
     return rank, world, prev, nxt, lab, n_tokens, chunk_bounds(input_ids.shape[1], chunk)
+
+
+def _windows(window: int | None, length: int, n: int) -> list[Window | None]:
+    """One truncation state per layer; a window spanning the sequence truncates nothing (None)."""
+    return [Window(window) if window is not None and window < length else None for _ in range(n)]
+
+
+def _global(group, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _recv_window(size: int, n: int, h: torch.Tensor, src: int, group) -> Window:
+    """Receive a `Window.handoff()` of n tokens (mu like the state h, dt sums in float64)."""
+    bsz, d, n_state = h.shape
+    mu = _recv((bsz, n, d, n_state), h, src, group)
+    r64 = h.new_empty(0, dtype=torch.float64)
+    return Window.resume(size, mu, _recv((bsz, n, d), r64, src, group), _recv((bsz, d), r64, src, group))
 
 
 def stage_parameters(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
@@ -168,30 +202,32 @@ def stage_parameters(model: nn.Module, rank: int, world: int) -> list[nn.Paramet
 
 def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
                                 labels: torch.Tensor | None = None, *, chunk: int,
-                                loss_chunk: int = 1024, group=None) -> float:
+                                window: int | None = None, loss_chunk: int = 1024,
+                                group=None) -> float:
     """Pipeline over layers: rank r runs layer block r; chunks flow through as micro-batches.
 
     Forward sends each chunk's residual stream to the next rank; backward sends its cotangent
     back, so the ranks work on different chunks at once (a wavefront over (rank, chunk)).
     Accumulates .grad for the parameters this rank owns (`stage_parameters`); every rank gets
     the loss. Each rank keeps its stage input per chunk (T x d) and its layers' boundary states.
+    Only this rank's stage is read, so the other layers may be freed (`free_other_stages`).
     """
-    rank, world, prev, nxt, lab, n_tokens, bounds = _setup(group, input_ids, labels, chunk)
+    rank, world, prev, nxt, lab, n_tokens, bounds = _setup(group, input_ids, labels, chunk, window)
     emb, layers = model.backbone.embeddings, model.backbone.layers
     block = layer_blocks(len(layers), world)[rank]
     first, last = rank == 0, rank == world - 1
     bsz = input_ids.shape[0]
-    width = emb.weight.shape[1]
+    like = layers[block[0]].norm.weight  # an owned tensor: dtype, device and width of the stream
+    width = like.shape[0]
     # A tied embedding/head weight gets gradient on the first and the last rank: sum the two.
-    tied = [emb.weight] if model.lm_head.weight is emb.weight else []
-    stash = _stash_grads(tied)
+    tied = model.lm_head.weight is emb.weight and world > 1 and (first or last)
+    stash = _stash_grads([emb.weight] if tied else [])
     pending: list = []
-    states = [layers[k].mixer.zero_state(bsz, emb.weight) for k in block]
+    states = [layers[k].mixer.zero_state(bsz, like) for k in block]
     stage_in, saved = [], []
     with torch.no_grad():
         for s, e in bounds:
-            x = emb(input_ids[:, s:e]) if first else _recv((bsz, e - s, width), emb.weight,
-                                                             prev, group)
+            x = emb(input_ids[:, s:e]) if first else _recv((bsz, e - s, width), like, prev, group)
             stage_in.append(x)
             saved.append(list(states))
             for i, k in enumerate(block):
@@ -199,6 +235,7 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
             if not last:
                 _send(x, nxt, group, pending)
     carry: list[LayerState | None] = [None] * len(block)
+    windows = _windows(window, input_ids.shape[1], len(block))
     total = 0.0
     for c in reversed(range(len(bounds))):
         s, e = bounds[c]
@@ -209,9 +246,10 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
             loss, dx = head_backward(model, xs[-1], lab[:, s:e], 1 / n_tokens, loss_chunk)
             total += loss
         else:
-            dx = _recv((bsz, e - s, width), emb.weight, nxt, group)
+            dx = _recv((bsz, e - s, width), like, nxt, group)
         for i in reversed(range(len(block))):
-            dx, carry[i] = cell_backward(layers[block[i]], xs[i], saved[c][i], dx, carry[i])
+            dx, carry[i] = cell_backward(layers[block[i]], xs[i], saved[c][i], dx, carry[i],
+                                         windows[i])
         if first:
             embed_backward(model, input_ids[:, s:e], dx)
         else:
@@ -219,25 +257,40 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         stage_in[c] = saved[c] = None  # free as the backward passes
     for work, _ in pending:
         work.wait()
-    _all_reduce_grads(tied, stash, group)
+    if tied:
+        _sum_tied(emb.weight, stash[0], _global(group, world - 1 if first else 0), first, group)
     loss = torch.tensor([total], dtype=torch.float64)
-    dist.broadcast(loss, src=dist.get_global_rank(group, world - 1) if group is not None
-                   else world - 1, group=group)
+    dist.broadcast(loss, src=_global(group, world - 1), group=group)
     return loss.item() / n_tokens
+
+
+def _sum_tied(weight: nn.Parameter, old: torch.Tensor | None, peer: int, first: bool,
+              group) -> None:
+    """First and last rank swap their parts of a tied weight's gradient; both add them in the
+    same order, so the two copies stay bit-identical."""
+    mine = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    theirs = torch.empty_like(mine)
+    work = dist.isend(mine, dst=peer, group=group)
+    dist.recv(theirs, src=peer, group=group)
+    work.wait()
+    g = mine + theirs if first else theirs + mine
+    weight.grad = g if old is None else old + g
 
 
 def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
                                labels: torch.Tensor | None = None, *, chunk: int,
-                               loss_chunk: int = 1024, group=None) -> float:
+                               window: int | None = None, loss_chunk: int = 1024,
+                               group=None) -> float:
     """Context parallel: rank r owns a time segment (a run of chunks) of every layer.
 
     Forward goes layer by layer: a rank scans its segment once the previous rank has sent that
     layer's end state (h and conv tail), so layers pipeline across ranks. Backward mirrors it
     with the state adjoint and conv-tail cotangent flowing to the previous rank; parameter
     gradients and the loss are then all-reduced. Every rank passes the full input_ids (it reads
-    only its segment); each keeps its segment's layer inputs (K x T/W x d).
+    only its segment); each keeps its segment's layer inputs (K x T/W x d). With `window`, each
+    layer's truncation state comes from the next rank along with the carry (`Window.handoff`).
     """
-    rank, world, prev, nxt, lab, n_tokens, bounds = _setup(group, input_ids, labels, chunk)
+    rank, world, prev, nxt, lab, n_tokens, bounds = _setup(group, input_ids, labels, chunk, window)
     emb, layers = model.backbone.embeddings, model.backbone.layers
     bsz = input_ids.shape[0]
     mine = [bounds[c] for c in time_segments(len(bounds), world)[rank]]
@@ -267,13 +320,18 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         loss, dx = head_backward(model, x, lab[:, s:e], 1 / n_tokens, loss_chunk)
         total += loss
         cot.append(dx)
-    for k in reversed(range(len(layers))):
-        carry = None if rank == world - 1 else LayerState(
-            *(_recv(t.shape, t, nxt, group) for t in like))
+    length = input_ids.shape[1]
+    after = min(window or 0, length - mine[-1][1])  # tokens a Window here needs from rank + 1
+    for k, win in reversed(list(enumerate(_windows(window, length, len(layers))))):
+        carry = None
+        if rank < world - 1:
+            carry = LayerState(*(_recv(t.shape, t, nxt, group) for t in like))
+            if win is not None:
+                win = _recv_window(win.size, after, like.h, nxt, group)
         for j in reversed(range(len(mine))):
-            cot[j], carry = cell_backward(layers[k], inputs[k][j], saved[k][j], cot[j], carry)
+            cot[j], carry = cell_backward(layers[k], inputs[k][j], saved[k][j], cot[j], carry, win)
         if rank > 0:
-            for t in carry:
+            for t in (*carry, *(win.handoff() if win is not None else ())):
                 _send(t, prev, group, pending)
         inputs[k] = saved[k] = None
     for (s, e), dx in zip(mine, cot):
@@ -284,3 +342,78 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     loss = torch.tensor([total], dtype=torch.float64)
     dist.all_reduce(loss, group=group)
     return loss.item() / n_tokens
+
+
+# ---- training helpers: what a rank holds, how gradients and weights meet ------------------------
+
+def free_other_stages(model: nn.Module, rank: int, world: int) -> None:
+    """Drop the tensors of every parameter outside this rank's stage (they become empty), so a
+    rank holds only its block; parameter objects and names stay, for `gathered_weights`."""
+    keep = {id(p) for p in stage_parameters(model, rank, world)}
+    for p in _unique_parameters(model):
+        if id(p) not in keep:
+            p.data = p.data.new_empty(0)
+
+
+def norm_parameters(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
+    """This rank's stage parameters with a tied embedding/head weight counted on rank 0 only, so
+    the ranks' shares of the global gradient norm are disjoint."""
+    params = stage_parameters(model, rank, world)
+    tied = model.lm_head.weight is model.backbone.embeddings.weight
+    if tied and world > 1 and rank == world - 1:
+        params = [p for p in params if p is not model.lm_head.weight]
+    return params
+
+
+def clip_grad_norm_global(params: list[nn.Parameter], max_norm: float, group=None) -> float:
+    """clip_grad_norm_ over parameters split across ranks (params: this rank's disjoint share).
+
+    All-reduces the squared norms, then scales every rank's gradients by the same factor.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    like = grads[0] if grads else params[0]
+    sq = torch.zeros((), dtype=like.dtype, device=like.device)
+    for g in grads:
+        sq = sq + torch.linalg.vector_norm(g).square()
+    dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ factor
+    for g in grads:
+        g.mul_(scale)
+    return norm.item()
+
+
+def average_gradients(params: list[nn.Parameter], loss: float, group=None) -> float:
+    """Data parallel: replace .grad of params by its mean over ranks; returns the mean loss."""
+    world = dist.get_world_size(group)
+    _all_reduce_grads(params, [None] * len(params), group)
+    for p in params:
+        p.grad = p.grad / world
+    total = torch.tensor([loss], dtype=torch.float64, device=params[0].device)
+    dist.all_reduce(total, group=group)
+    return total.item() / world
+
+
+@contextmanager
+def gathered_weights(model: nn.Module, rank: int, world: int, group=None) -> Iterator[bool]:
+    """Lend every stage's weights to rank 0 for the duration (e.g. writing a checkpoint).
+
+    All ranks enter; rank 0's freed parameters hold the others' tensors (on the CPU) inside the
+    block and are freed again after. Yields whether this rank holds the full model.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = {names[id(p)]: p.detach().cpu() for p in stage_parameters(model, rank, world)}
+    parts: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=_global(group, 0), group=group)
+    if rank != 0:
+        yield False
+        return
+    full = {k: v for part in parts for k, v in part.items()}
+    lent = [p for n, p in model.named_parameters() if p.numel() == 0 and n in full]
+    for p in lent:
+        p.data = full[names[id(p)]].to(p.dtype)
+    try:
+        yield True
+    finally:
+        for p in lent:
+            p.data = p.data.new_empty(0)

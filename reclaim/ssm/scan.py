@@ -118,6 +118,20 @@ class Window:
         self.segments = kept
         return out
 
+    def handoff(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mu, R, R before) of the `size` buffered tokens nearest the last segment seen: all a
+        Window over the tokens before it needs (the time-sharded backward sends it back a rank)."""
+        n = min(self.size, sum(m.shape[1] for m, _ in self.segments))
+        mu, r = self._take(0, n)
+        return mu, r, self.r_before
+
+    @classmethod
+    def resume(cls, size: int, mu: torch.Tensor, r: torch.Tensor, r_before: torch.Tensor) -> "Window":
+        """A Window that continues another's backward from that one's `handoff()`."""
+        w = cls(size)
+        w.segments, w.r_before = [(mu, r)], r_before
+        return w
+
     def _take(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(mu, R) of buffered tokens lo..hi-1, counted from the current segment's start."""
         mus, rs, off = [], [], 0

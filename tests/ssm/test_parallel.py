@@ -21,6 +21,9 @@ from reclaim.ssm import parallel as P
 
 # (layers, tokens, chunk, tied head): uneven layer blocks, chunks not dividing T, chunk 1.
 CASES = [(2, 37, 5, True), (3, 40, 8, False), (4, 9, 1, True)]
+# Truncated (case, windows): on 2 ranks case 0's segments are 20 and 17 tokens, case 1's 16 and
+# 24; windows below, equal to and above a segment, spanning both, and >= T (exact).
+TRUNCATED = [(CASES[0], (3, 17, 20, 30, 37)), (CASES[1], (5, 16, 24, 100))]
 
 
 def tiny_model(n_layer: int, tie: bool = True, seed: int = 0) -> torch.nn.Module:
@@ -86,8 +89,11 @@ def test_wavefront_equals_autograd(n_layer, length, chunk, tie) -> None:
 
 
 def _worker() -> None:
-    """One torchrun rank: every case, both sharding schemes, against the local autograd result."""
+    """One torchrun rank: every case, both sharding schemes, against the local autograd result
+    (exact) or the single-process truncated adjoint (window)."""
     import torch.distributed as dist
+
+    from reclaim.ssm.adjoint import adjoint_loss_backward
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,6 +114,24 @@ def _worker() -> None:
             err2 = worst_error(model, {n: 2 * g for n, g in ref.items()}, only)
             results.append({"case": [n_layer, length, chunk, tie], "scheme": scheme, "rank": rank,
                             "loss_err": abs(got - loss) / loss, "grad_err": max(err, err2)})
+    for (n_layer, length, chunk, tie), windows in TRUNCATED:
+        model = tiny_model(n_layer, tie)
+        ids = torch.randint(0, 50, (2, length), generator=torch.Generator().manual_seed(length))
+        for w in windows:
+            if w >= length:  # a window spanning the sequence is the exact gradient: autograd's
+                loss, ref = reference(model, ids)
+            else:
+                loss = adjoint_loss_backward(model, ids, chunk=chunk, window=w, loss_chunk=7)
+                ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+            for scheme, fn in (("layer", P.layer_sharded_loss_backward),
+                               ("time", P.time_sharded_loss_backward)):
+                model.zero_grad(set_to_none=True)
+                got = fn(model, ids, chunk=chunk, window=w, loss_chunk=7)
+                only = P.stage_parameters(model, rank, world) if scheme == "layer" else None
+                results.append({"case": [n_layer, length, chunk, tie], "window": w,
+                                "scheme": scheme, "rank": rank, "loss_err": abs(got - loss) / loss,
+                                "grad_err": worst_error(model, ref, only)})
+            model.zero_grad(set_to_none=True)
     Path(os.environ["RECLAIM_TEST_OUT"], f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -120,7 +144,7 @@ def test_layer_and_time_sharded_equal_autograd_on_two_gloo_ranks(tmp_path) -> No
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [r for rank in (0, 1)
                for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
-    assert len(results) == 2 * 2 * len(CASES)
+    assert len(results) == 2 * 2 * (len(CASES) + sum(len(w) for _, w in TRUNCATED))
     for r in results:
         assert r["loss_err"] < 1e-12 and r["grad_err"] < 1e-9, r
 
