@@ -19,7 +19,7 @@ holds: rank r+1 sends them (`Window.handoff`) with the carry.
 
 For training by layer (`reclaim ssm-train --sharding layer` under torchrun) a rank keeps only its
 block (`free_other_stages`), optimizes `stage_parameters`, clips by the global norm
-(`clip_grad_norm_global` over `norm_parameters`) and lends its block to rank 0 for a checkpoint
+(`clip_grad_norm_global`, a tied weight counted once) and lends its block to rank 0 for a checkpoint
 (`gathered_weights`). By time and data parallel every rank holds the whole model.
 """
 
@@ -355,26 +355,27 @@ def free_other_stages(model: nn.Module, rank: int, world: int) -> None:
             p.data = p.data.new_empty(0)
 
 
-def norm_parameters(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
-    """This rank's stage parameters with a tied embedding/head weight counted on rank 0 only, so
-    the ranks' shares of the global gradient norm are disjoint."""
-    params = stage_parameters(model, rank, world)
+def counted_elsewhere(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
+    """Stage parameters whose gradient norm another rank counts: a tied embedding/head weight,
+    held by the first and the last rank, is counted on the first."""
     tied = model.lm_head.weight is model.backbone.embeddings.weight
-    if tied and world > 1 and rank == world - 1:
-        params = [p for p in params if p is not model.lm_head.weight]
-    return params
+    return [model.lm_head.weight] if tied and world > 1 and rank == world - 1 else []
 
 
-def clip_grad_norm_global(params: list[nn.Parameter], max_norm: float, group=None) -> float:
-    """clip_grad_norm_ over parameters split across ranks (params: this rank's disjoint share).
+def clip_grad_norm_global(params: list[nn.Parameter], max_norm: float, group=None, *,
+                          uncounted: list[nn.Parameter] = ()) -> float:
+    """clip_grad_norm_ over parameters split across ranks; returns the global norm.
 
-    All-reduces the squared norms, then scales every rank's gradients by the same factor.
+    params: this rank's parameters, all scaled; uncounted: those among them another rank counts.
+    All-reduces the squared norms, so every rank scales by the same factor.
     """
+    skip = {id(p) for p in uncounted}
     grads = [p.grad for p in params if p.grad is not None]
     like = grads[0] if grads else params[0]
     sq = torch.zeros((), dtype=like.dtype, device=like.device)
-    for g in grads:
-        sq = sq + torch.linalg.vector_norm(g).square()
+    for p in params:
+        if p.grad is not None and id(p) not in skip:
+            sq = sq + torch.linalg.vector_norm(p.grad).square()
     dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ factor

@@ -4,6 +4,22 @@ One loop, four ways to get the gradient (`grad_mode`): plain backprop, backprop 
 activation checkpointing, the exact chunked adjoint, and the truncated adjoint (window T-bar).
 Checkpoints are HF-layout `checkpoint-{step}/` directories written atomically; `--resume` picks
 the latest and continues with exactly the losses an uninterrupted run would have logged.
+
+Under torchrun (WORLD_SIZE > 1; gloo on the CPU, nccl with cuda:LOCAL_RANK) `sharding` says how
+the processes share the work:
+- "none": data parallel. Rank r of W takes global batch (step * accum + micro) * W + r, gradients
+  and losses are averaged, so a step equals one process accumulating W * accum batches. Any
+  grad_mode.
+- "layer": pipeline over layer blocks (`parallel.layer_sharded_loss_backward`); every rank reads
+  the same batch, holds only its block's parameters and its block's optimizer state, clips by the
+  global norm. A checkpoint gathers the model to rank 0; optimizer states stay per rank
+  (optimizer-rank{r}.pt), so resuming needs the same number of processes.
+- "time": context parallel (`parallel.time_sharded_loss_backward`); every rank holds the model
+  and reads the same batch, and owns a time segment of it.
+"layer" and "time" need grad_mode adjoint or truncated and torchrun with >= 2 processes (a
+single process gets an error rather than a silent fallback). Rank 0 alone writes log.jsonl,
+train_config.json, the progress bar and the checkpoint directory; output_dir must be one
+filesystem for all ranks (they resume from it).
 """
 
 from __future__ import annotations
@@ -21,6 +37,8 @@ from typing import Any
 import torch
 
 GRAD_MODES = ("backprop", "checkpoint", "adjoint", "truncated")
+SHARDINGS = ("none", "layer", "time")
+ADJOINT_MODES = ("adjoint", "truncated")
 
 
 @dataclass
@@ -57,10 +75,17 @@ class SSMTrainConfig:
     resume_from_checkpoint: bool = False
     device: str = "cpu"
     dtype: str = "float32"
+    sharding: str = "none"  # under torchrun: none (data parallel) | layer | time; see module doc
 
     def __post_init__(self) -> None:
         if self.grad_mode not in GRAD_MODES:
             raise ValueError(f"grad_mode {self.grad_mode!r} is not one of {list(GRAD_MODES)}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding {self.sharding!r} is not one of {list(SHARDINGS)}")
+        if self.sharding != "none" and self.grad_mode not in ADJOINT_MODES:
+            raise ValueError(f"sharding {self.sharding!r} shards the adjoint: it needs grad_mode in "
+                             f"{list(ADJOINT_MODES)}, got {self.grad_mode!r} (use sharding none "
+                             f"for data parallel {self.grad_mode})")
         if self.grad_mode == "truncated" and not self.window:
             raise ValueError("grad_mode 'truncated' needs window (T-bar) >= 1; got "
                              f"{self.window!r}")
@@ -74,7 +99,9 @@ class SSMTrainConfig:
 
 def _coerce(value: Any, hint: str, name: str) -> Any:
     """Turn a YAML or command-line value into the field's declared type (int, float, bool, str)."""
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+    # The string "none" is None only for an optional field: `sharding: none` is a value.
+    if value is None or ("None" in hint and isinstance(value, str)
+                         and value.lower() in ("none", "null")):
         if "None" not in hint:
             raise ValueError(f"{name} cannot be None; it takes {hint}")
         return None
@@ -188,15 +215,18 @@ def autograd_loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, *,
 
 
 def loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, cfg: SSMTrainConfig) -> float:
-    """Accumulate the gradient of the mean next-token CE on input_ids the way cfg.grad_mode says."""
+    """Accumulate the gradient of the mean next-token CE on input_ids the way cfg.grad_mode (and,
+    in a process group, cfg.sharding) says."""
     if cfg.grad_mode in ("backprop", "checkpoint"):
         return autograd_loss_backward(model, input_ids, checkpoint_layers=cfg.grad_mode == "checkpoint",
                                       loss_chunk=cfg.loss_chunk)
+    from reclaim.ssm import parallel
     from reclaim.ssm.adjoint import adjoint_loss_backward
 
+    fn = {"none": adjoint_loss_backward, "layer": parallel.layer_sharded_loss_backward,
+          "time": parallel.time_sharded_loss_backward}[cfg.sharding]
     window = cfg.window if cfg.grad_mode == "truncated" else None
-    return adjoint_loss_backward(model, input_ids, chunk=cfg.chunk_size, window=window,
-                                 loss_chunk=cfg.loss_chunk)
+    return fn(model, input_ids, chunk=cfg.chunk_size, window=window, loss_chunk=cfg.loss_chunk)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -205,9 +235,16 @@ CHECKPOINT_PREFIX = "checkpoint-"
 
 
 def _load_weights(model: torch.nn.Module, path: Path) -> None:
-    from reclaim.models import mamba
+    """Copy a checkpoint's tensors into model in place, in model's dtype (no float32 detour)."""
+    from reclaim.models.loading import SafetensorsSource
 
-    model.load_state_dict(mamba.load_mamba(path).state_dict())
+    src = SafetensorsSource(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
+            try:
+                p.copy_(src[name])
+            except KeyError as e:
+                raise ValueError(f"checkpoint {str(path)!r} has no tensor {name!r}") from e
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -219,8 +256,12 @@ def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
-                    state: dict[str, Any], tokenizer: Any = None) -> Path:
-    """Write checkpoint-{step}/ (HF model dir + optimizer + scheduler + trainer_state.json) atomically."""
+                    state: dict[str, Any], tokenizer: Any = None, *,
+                    optimizer_file: str = "optimizer.pt", moved: dict[str, Path] | None = None) -> Path:
+    """Write checkpoint-{step}/ (HF model dir + optimizer + scheduler + trainer_state.json) atomically.
+
+    moved: files written elsewhere (other ranks' optimizer states) to move in, by their name there.
+    """
     from reclaim.models.loading import atomic_dir
     from reclaim.models.mamba import write_mamba
 
@@ -228,7 +269,9 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
         write_mamba(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer.state_dict(), tmp / optimizer_file)
+        for name, src in (moved or {}).items():
+            os.replace(src, tmp / name)
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
@@ -250,19 +293,132 @@ def _trim_log(path: Path, step: int) -> None:
         path.write_text("".join(ln + "\n" for ln in keep))
 
 
+# ---- processes ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a torchrun launch (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        """Read torchrun's RANK, WORLD_SIZE and LOCAL_RANK."""
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def _start(cfg: SSMTrainConfig, ranks: Ranks) -> tuple[torch.device, bool]:
+    """This rank's device, and whether a process group was started here (to be destroyed here)."""
+    if cfg.sharding != "none" and ranks.world < 2:
+        raise ValueError(
+            f"sharding {cfg.sharding!r} splits the model over torchrun processes, but WORLD_SIZE is "
+            f"{ranks.world}; launch `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...` "
+            "with N >= 2, or use sharding none")
+    device = torch.device(cfg.device)
+    if ranks.world == 1:
+        return device, False
+    import torch.distributed as dist
+
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", ranks.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device, False
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, True
+
+
+def _check_split(cfg: SSMTrainConfig, model: torch.nn.Module, world: int) -> None:
+    """Fail before training if the layers or the chunks cannot be spread over the ranks."""
+    from reclaim.ssm import parallel
+    from reclaim.ssm.adjoint import chunk_bounds
+
+    if cfg.sharding == "layer":
+        parallel.layer_blocks(len(model.backbone.layers), world)
+    elif cfg.sharding == "time":
+        parallel.time_segments(len(chunk_bounds(cfg.context_length, cfg.chunk_size)), world)
+
+
+def _optimizer_file(cfg: SSMTrainConfig, ranks: Ranks) -> str:
+    return f"optimizer-rank{ranks.rank}.pt" if cfg.sharding == "layer" else "optimizer.pt"
+
+
+def _resume_point(cfg: SSMTrainConfig, out: Path, ranks: Ranks) -> tuple[Path, dict[str, Any]]:
+    """The latest checkpoint and its trainer state, checked against this launch's layout."""
+    found = checkpoints(out)
+    if not found:
+        raise ValueError(f"resume_from_checkpoint is set but {str(out)!r} has no "
+                         f"{CHECKPOINT_PREFIX}* directory")
+    last = found[-1]
+    state = json.loads((last / "trainer_state.json").read_text())
+    was = (state.get("sharding", "none"), state.get("world_size", 1))
+    name = _optimizer_file(cfg, ranks)
+    if not (last / name).exists() or (cfg.sharding == "layer" and was != ("layer", ranks.world)):
+        raise ValueError(f"{str(last)!r} was written with sharding {was[0]!r} on {was[1]} "
+                         f"process(es) and lacks {name} for sharding {cfg.sharding!r} on "
+                         f"{ranks.world}; resume with its sharding (layer: and process count)")
+    return last, state
+
+
+def _save(cfg: SSMTrainConfig, ranks: Ranks, out: Path, step: int, model, opt, sched,
+          state: dict[str, Any], tokenizer: Any) -> None:
+    """Rank 0 writes the checkpoint; by layer, every rank lends its block and its optimizer file."""
+    from reclaim.ssm import parallel
+
+    if cfg.sharding != "layer":
+        if ranks.rank == 0:
+            save_checkpoint(out, step, model, opt, sched, state, tokenizer)
+    else:
+        staged = {f"optimizer-rank{r}.pt": out / f".optimizer-rank{r}-step{step}.pt"
+                  for r in range(1, ranks.world)}
+        if ranks.rank > 0:
+            torch.save(opt.state_dict(), staged[_optimizer_file(cfg, ranks)])
+        with parallel.gathered_weights(model, ranks.rank, ranks.world) as full:
+            if full:  # the gather also means every rank's optimizer file is written
+                save_checkpoint(out, step, model, opt, sched, state, tokenizer,
+                                optimizer_file=_optimizer_file(cfg, ranks), moved=staged)
+    if ranks.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # the checkpoint exists for every rank once any goes on
+    if ranks.rank == 0 and cfg.save_total_limit:
+        for old in checkpoints(out)[:-cfg.save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 # ---- the loop ----------------------------------------------------------------------------------
 
 def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
           progress: bool = True) -> list[dict[str, Any]]:
     """Train per cfg; returns the log records of the steps run here (also in output_dir/log.jsonl).
 
-    `tokens` (a 1-D token stream) replaces the corpus when given; its vocabulary must fit.
+    `tokens` (a 1-D token stream) replaces the corpus when given; its vocabulary must fit. Under
+    torchrun every rank calls this; see the module docstring for `sharding`.
     """
+    ranks = Ranks.from_env()
+    device, started = _start(cfg, ranks)
+    try:
+        return _train(cfg, tokens, progress, ranks, device)
+    finally:
+        if started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ranks: Ranks,
+           device: torch.device) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
     from reclaim.data.corpus import tokenize_corpus, window_batch
+    from reclaim.ssm import parallel
 
     out = Path(cfg.output_dir)
+    lead = ranks.rank == 0
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = None
     if tokens is None:
@@ -271,34 +427,41 @@ def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
         vocab = len(tokenizer)
     else:
         vocab = int(tokens.max()) + 1
-    device = torch.device(cfg.device)
-    model = build_model(cfg, vocab).to(device=device, dtype=getattr(torch, cfg.dtype))
+    model = build_model(cfg, vocab).to(dtype=getattr(torch, cfg.dtype))
     if cfg.model is not None and model.config.vocab_size <= int(tokens.max()):
         raise ValueError(f"model vocab_size {model.config.vocab_size} does not cover token id "
                          f"{int(tokens.max())} of the corpus; use the model's own tokenizer")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
-                            betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    _check_split(cfg, model, ranks.world)
     step, history = 0, []
     log_path = out / "log.jsonl"
     if cfg.resume_from_checkpoint:
-        found = checkpoints(out)
-        if not found:
-            raise ValueError(f"resume_from_checkpoint is set but {str(out)!r} has no "
-                             f"{CHECKPOINT_PREFIX}* directory")
-        last = found[-1]
-        _load_weights(model, last)
-        opt.load_state_dict(torch.load(last / "optimizer.pt", map_location=device))
-        sched.load_state_dict(torch.load(last / "scheduler.pt"))
-        state = json.loads((last / "trainer_state.json").read_text())
+        last, state = _resume_point(cfg, out, ranks)
+        _load_weights(model, last)  # whole model on the CPU first: by layer, a rank then keeps its block
         step, history = state["global_step"], state["log_history"]
-        _trim_log(log_path, step)
-    elif log_path.exists():
+        if lead:
+            _trim_log(log_path, step)
+    elif lead and log_path.exists():
         log_path.unlink()  # a fresh run starts a fresh log
+    layer = cfg.sharding == "layer"
+    if layer:
+        parallel.free_other_stages(model, ranks.rank, ranks.world)
+    model.to(device)
+    params = (parallel.stage_parameters(model, ranks.rank, ranks.world) if layer
+              else list(model.parameters()))
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    if cfg.resume_from_checkpoint:
+        opt.load_state_dict(torch.load(last / _optimizer_file(cfg, ranks), map_location=device))
+        sched.load_state_dict(torch.load(last / "scheduler.pt"))
     config_dict = dataclasses.asdict(cfg)
-    (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    if lead:
+        (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    # Data parallel: each rank its own batches; model parallel: all ranks the same batch.
+    dp_rank, dp_world = (ranks.rank, ranks.world) if cfg.sharding == "none" else (0, 1)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc=f"ssm-train {cfg.grad_mode}")
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and lead),
+               desc=f"ssm-train {cfg.grad_mode}")
     t_start = time.perf_counter()
     tokens_seen = 0
     while step < cfg.max_steps:
@@ -306,16 +469,23 @@ def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
         opt.zero_grad(set_to_none=True)
         loss = 0.0
         for micro in range(cfg.gradient_accumulation_steps):
-            index = step * cfg.gradient_accumulation_steps + micro
+            index = (step * cfg.gradient_accumulation_steps + micro) * dp_world + dp_rank
             batch = window_batch(tokens, cfg.context_length, cfg.per_device_train_batch_size,
                                  cfg.seed, index).to(device)
             loss += loss_backward(model, batch, cfg) / cfg.gradient_accumulation_steps
-            tokens_seen += batch.numel()
+            tokens_seen += batch.numel() * dp_world
         if cfg.gradient_accumulation_steps > 1:
-            for p in model.parameters():
+            for p in params:
                 if p.grad is not None:
                     p.grad /= cfg.gradient_accumulation_steps
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if dp_world > 1:
+            loss = parallel.average_gradients(params, loss)
+        if layer:
+            norm = parallel.clip_grad_norm_global(
+                params, cfg.max_grad_norm,
+                uncounted=parallel.counted_elsewhere(model, ranks.rank, ranks.world))
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
@@ -328,15 +498,13 @@ def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
                    "tokens_per_s": tokens_seen / elapsed}
             records.append(rec)
             history.append(rec)
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            if lead:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps:
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
-                     "config": config_dict}
-            save_checkpoint(out, step, model, opt, sched, state, tokenizer)
-            if cfg.save_total_limit:
-                for old in checkpoints(out)[:-cfg.save_total_limit]:
-                    shutil.rmtree(old, ignore_errors=True)
+                     "config": config_dict, "sharding": cfg.sharding, "world_size": ranks.world}
+            _save(cfg, ranks, out, step, model, opt, sched, state, tokenizer)
     bar.close()
     return records
 
