@@ -3,16 +3,19 @@
 Modes: backprop, per-layer checkpointed backprop, exact adjoint, truncated adjoint, all on one
 Mamba LM and all with the same sub-chunked loss head (so the vocabulary never spans the sequence
 in any mode and the comparison is about the layer stack). Every (mode, context) point runs in a
-fresh subprocess: one optimizer step (forward, backward, AdamW) after a short warm-up step, with
-the model and optimizer state already allocated. Memory is that step's peak above the process's
-memory before it: on CUDA `torch.cuda.max_memory_allocated`; on CPU the kernel's resident-set
-high-water mark (VmHWM, reset right before the step) against the RSS before it, with glibc told
-to return freed tensor buffers to the OS (see run_point). A parent-side watchdog kills a point
-whose RSS passes the hard limit, so a sweep never takes the machine down.
+fresh subprocess, with the model and optimizer state already allocated and a short warm-up step
+done: one optimizer step (forward, backward, AdamW) is measured for memory, and a later one
+is timed. Memory is that step's peak above the process's memory before it: on CUDA
+`torch.cuda.max_memory_allocated`; on CPU the kernel's resident-set high-water mark (VmHWM,
+reset right before the step) against the RSS before it, with glibc returning freed tensor
+buffers to the OS (the same policy for every mode; it slows a step, so timing switches back to a
+reusing heap first). A parent-side watchdog kills a point whose RSS passes the hard limit, so a
+sweep never takes the machine down.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -26,6 +29,11 @@ from typing import Any
 
 MODES = ("backprop", "checkpoint", "adjoint", "truncated")
 GIB = 1 << 30
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+# Buffers of 64 KiB and more bypass the heap in the memory step. Not in the timed step: mapping
+# and faulting every buffer in again makes a step 3-5x slower (measured), the adjoint's more.
+MEMORY_MMAP_THRESHOLD = 1 << 16
+TIMING_MMAP_THRESHOLD = 1 << 25
 
 
 @dataclass
@@ -59,8 +67,19 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
+def _malloc_mmap_threshold(nbytes: int) -> None:
+    """glibc: serve allocations of at least nbytes by mmap, smaller ones from the heap (which keeps
+    freed buffers for reuse). No-op where glibc is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, nbytes)
+
+
 def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
-    """Build the model, run one training step in `mode` at `context`, return memory and time."""
+    """Build the model and run training steps in `mode` at `context`: one measured for memory,
+    a later one timed (see the module docstring); return both."""
     import torch
 
     from reclaim.ssm.train import SSMTrainConfig, build_model, loss_backward
@@ -68,6 +87,7 @@ def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
+    cuda = device.type == "cuda"
     cfg = SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, context_length=context,
                          grad_mode=mode, chunk_size=spec.chunk_size, loss_chunk=spec.loss_chunk,
                          window=spec.window if mode == "truncated" else None, device=spec.device)
@@ -78,28 +98,36 @@ def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
                         "exp_avg_sq": torch.zeros_like(p)}
         p.grad = torch.zeros_like(p)
     gen = torch.Generator().manual_seed(spec.seed)
-    warm = torch.randint(0, spec.vocab_size, (1, 512), generator=gen).to(device)
-    loss_backward(model, warm, cfg)  # first-call work (lazy imports, kernels) off the clock
-    opt.step()
-    opt.zero_grad(set_to_none=False)
+
+    def step(ids: torch.Tensor) -> float:
+        loss = loss_backward(model, ids, cfg)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if cuda:
+            torch.cuda.synchronize()
+        return loss
+
+    step(torch.randint(0, spec.vocab_size, (1, 512), generator=gen).to(device))  # first-call work
     batch = torch.randint(0, spec.vocab_size, (1, context), generator=gen).to(device)
     params = sum(p.numel() for p in model.parameters())
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    # Memory first: on CPU the process started with freed buffers going straight back to the OS
+    # (run_point), so the resident-set peak tracks live tensors; the default heap would keep
+    # freed multi-MB buffers resident.
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
         _reset_peak_rss()
         base = _status_kib("VmRSS") * 1024
+    loss = step(batch)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024) - base
+    # Time: back to a heap that keeps and reuses buffers, as in a long run (glibc's largest
+    # dynamic mmap threshold); one more step settles it, the next is timed.
+    if not cuda:
+        _malloc_mmap_threshold(TIMING_MMAP_THRESHOLD)
+        step(batch)
     t0 = time.perf_counter()
-    loss = loss_backward(model, batch, cfg)
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = _status_kib("VmHWM") * 1024 - base
+    step(batch)
     step_s = time.perf_counter() - t0
     return {"mode": mode, "context": context, "peak_bytes": peak, "base_bytes": base,
             "step_s": step_s, "tokens_per_s": context / step_s, "loss": loss,
@@ -117,10 +145,7 @@ def run_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
     """measure_point in a fresh process, killed if its RSS passes spec.hard_limit_gib."""
     arg = json.dumps({"spec": asdict(spec), "mode": mode, "context": context})
     code = "from reclaim.bench.ssm import _child; _child()"
-    # glibc's heap keeps freed multi-MB tensor buffers resident (an RSS ratchet of ~1 KB/token in
-    # the adjoint's chunk loop); with a fixed mmap threshold they go back to the OS on free, so
-    # the RSS peak tracks live memory. Same allocator policy for every mode.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MEMORY_MMAP_THRESHOLD)}
     proc = subprocess.Popen([sys.executable, "-c", code, arg], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     killed: list[str] = []

@@ -1,12 +1,14 @@
 """Exact adjoint training of a Mamba LM in O(chunk) activation memory.
 
 Pass 1 runs the sequence chunk by chunk without autograd and keeps only each layer's state
-(h, conv tail) at every chunk start. Pass 2 walks the chunks in reverse: it recomputes the chunk's
-layer inputs from those states, takes the loss gradient in sub-chunks (the vocabulary never
-materialises for the whole sequence), then goes down the layers, re-running each (layer, chunk)
-shard with autograd and pulling through it the cotangent of its output plus the state adjoint
-carried from the next chunk (mu = dL/dh and the conv-tail cotangent). The result equals
-`loss.backward()` up to float reassociation, for any chunk size.
+(h, conv tail) at every chunk start. Pass 2 walks the chunks in reverse: it re-runs the chunk with
+autograd from those states through every layer, takes the loss gradient in sub-chunks (the
+vocabulary never materialises for the whole sequence), and pulls it back through the chunk's
+graph together with each layer's state adjoint carried from the next chunk (mu = dL/dh and the
+conv-tail cotangent). The result equals `loss.backward()` up to float reassociation, for any chunk
+size, at the cost of one extra no-grad forward. `recompute="layer"` cuts the same backward into
+(layer, chunk) shards (`cell_forward`/`cell_backward`, also used by the parallel schedules in
+`parallel.py`): one layer's graph at a time, for one more no-grad forward of the chunk.
 
 Unlike the paper's Prop. 3, the cotangent a layer receives includes every path through the layers
 above it (they are back-propagated first, within the chunk, and carry their own state adjoints),
@@ -26,6 +28,8 @@ from torch import nn
 
 from reclaim.models.mamba import LayerState
 from reclaim.ssm.scan import Window
+
+RECOMPUTE = ("chunk", "layer")  # what pass 2 holds an autograd graph for: see adjoint_loss_backward
 
 
 def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -147,6 +151,37 @@ def chunk_inputs(model: nn.Module, ids: torch.Tensor, states: list[LayerState]) 
     return xs
 
 
+def chunk_backward(
+    model: nn.Module,
+    ids: torch.Tensor,
+    states: list[LayerState],
+    targets: torch.Tensor,
+    carries: list[LayerState | None],
+    windows: list[Window | None],
+    scale: float,
+    loss_chunk: int,
+) -> tuple[float, list[LayerState]]:
+    """One time chunk's backward through every layer at once: (summed loss, start-state adjoints).
+
+    Recomputes the chunk with autograd from its start states (one graph for all layers, so each
+    layer's input is not recomputed a second time), takes the loss gradient in sub-chunks, then
+    pulls it, with each layer's carried end-state adjoint, through the graph in one backward.
+    """
+    leaves = [LayerState(*(t.detach().requires_grad_() for t in st)) for st in states]
+    ends: list[torch.Tensor] = []
+    end_grads: list[torch.Tensor] = []
+    with torch.enable_grad():
+        x = model.backbone.embeddings(ids)
+        for layer, st, carry, window in zip(model.backbone.layers, leaves, carries, windows):
+            x, h1, conv1 = layer.forward_chunk(x, st.h, st.conv, window)
+            if carry is not None:
+                ends += [h1, conv1]
+                end_grads += [carry.h, carry.conv]
+    loss, dr = head_backward(model, x, targets, scale, loss_chunk)
+    torch.autograd.backward([x, *ends], [dr, *end_grads])
+    return loss, [LayerState(st.h.grad, st.conv.grad) for st in leaves]
+
+
 def adjoint_loss_backward(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -156,12 +191,16 @@ def adjoint_loss_backward(
     window: int | None = None,
     loss_chunk: int = 1024,
     offload: bool | None = None,
+    recompute: str = "chunk",
 ) -> float:
     """Accumulate into .grad what `loss.backward()` gives for the mean next-token CE; return it.
 
     chunk: tokens per recomputed time chunk (Q). window: truncate each layer's state adjoint to
     that many transitions (None: exact). loss_chunk: tokens per logits sub-chunk. offload: keep
-    boundary states in pinned host memory (default: when the model is on a GPU).
+    boundary states in pinned host memory (default: when the model is on a GPU). recompute:
+    "chunk" holds one chunk's autograd graph for all layers at once (fastest); "layer" holds one
+    layer's at a time and re-runs the chunk's layer inputs once more without autograd (about 1/L
+    of the graph memory for L layers, at one more forward).
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -169,6 +208,8 @@ def adjoint_loss_backward(
         raise ValueError(f"loss_chunk must be >= 1, got {loss_chunk}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1 or None, got {window}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
     device = input_ids.device
     if offload is None:
         offload = device.type == "cuda"
@@ -182,18 +223,23 @@ def adjoint_loss_backward(
     windows = [Window(window) if window is not None and window < input_ids.shape[1] else None
                for _ in layers]
 
-    saved, xs = forward_states(model, input_ids, bounds, offload)
+    saved, _ = forward_states(model, input_ids, bounds, offload)
     carries: list[LayerState | None] = [None] * len(layers)
     total = 0.0
     for c in reversed(range(len(bounds))):
         s, e = bounds[c]
+        ids = input_ids[:, s:e]
         states = [_fetch(st, device) for st in saved[c]] if offload else saved[c]
-        if c < len(bounds) - 1:
-            xs = chunk_inputs(model, input_ids[:, s:e], states)
-        loss, dr = head_backward(model, xs[-1], targets[:, s:e], 1.0 / n_tokens, loss_chunk)
+        if recompute == "chunk":
+            loss, carries = chunk_backward(model, ids, states, targets[:, s:e], carries, windows,
+                                           1.0 / n_tokens, loss_chunk)
+        else:
+            xs = chunk_inputs(model, ids, states)
+            loss, dr = head_backward(model, xs[-1], targets[:, s:e], 1.0 / n_tokens, loss_chunk)
+            for k in reversed(range(len(layers))):
+                dr, carries[k] = cell_backward(layers[k], xs[k], states[k], dr, carries[k],
+                                               windows[k])
+            embed_backward(model, ids, dr)
         total += loss
-        for k in reversed(range(len(layers))):
-            dr, carries[k] = cell_backward(layers[k], xs[k], states[k], dr, carries[k], windows[k])
-        embed_backward(model, input_ids[:, s:e], dr)
         saved[c] = None  # free this chunk's boundary states
     return total / n_tokens

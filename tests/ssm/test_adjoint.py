@@ -47,12 +47,13 @@ def rel_err(a, b):
     (2, [1, 7, 20], 1e-4, torch.float32),
     (4, [5], 1e-4, torch.float32),
 ])
-def test_exact_adjoint_equals_autograd(layers, chunks, tol, dtype):
+@pytest.mark.parametrize("recompute", ["chunk", "layer"])
+def test_exact_adjoint_equals_autograd(layers, chunks, tol, dtype, recompute):
     model = make_model(layers, dtype)
     ids = torch.randint(0, 53, (2, 20))
     ref_loss, ref = autograd_grads(model, ids)
     for q in chunks:
-        loss, got = adjoint_grads(model, ids, chunk=q, loss_chunk=3)
+        loss, got = adjoint_grads(model, ids, chunk=q, loss_chunk=3, recompute=recompute)
         assert abs(loss - ref_loss) <= tol * abs(ref_loss), q
         assert rel_err(got, ref) <= tol, (q, rel_err(got, ref))
 
@@ -116,8 +117,10 @@ def test_truncated_window_changes_gradients_and_is_chunk_invariant():
     _, a = adjoint_grads(model, ids, chunk=5, window=6)
     _, b = adjoint_grads(model, ids, chunk=24, window=6)
     _, c = adjoint_grads(model, ids, chunk=1, window=6)
+    _, d = adjoint_grads(model, ids, chunk=5, window=6, recompute="layer")
     assert rel_err(a, ref) > 1e-6  # it does truncate
-    assert rel_err(a, b) <= 1e-9 and rel_err(c, b) <= 1e-9  # independent of the chunking
+    # independent of the chunking and of how the chunk is recomputed
+    assert rel_err(a, b) <= 1e-9 and rel_err(c, b) <= 1e-9 and rel_err(d, b) <= 1e-9
 
 
 def test_rejects_bad_arguments():
@@ -129,6 +132,8 @@ def test_rejects_bad_arguments():
         adjoint_loss_backward(model, ids, chunk=2, window=0)
     with pytest.raises(ValueError, match="predict"):
         adjoint_loss_backward(model, ids[:, :1], chunk=2)
+    with pytest.raises(ValueError, match="recompute must be one of .*'tokens'"):
+        adjoint_loss_backward(model, ids, chunk=2, recompute="tokens")
 
 
 def prop3_grads(model, ids):
