@@ -29,11 +29,11 @@ def check_adjoint(dev: str) -> dict:
     loss_ref = autograd_loss_backward(model, ids, checkpoint_layers=False, loss_chunk=512)
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     out = {}
-    for q in (1000, 777):
+    for q, recompute in ((1000, "chunk"), (777, "chunk"), (777, "layer")):
         model.zero_grad(set_to_none=True)
-        loss = adjoint_loss_backward(model, ids, chunk=q, loss_chunk=512)
+        loss = adjoint_loss_backward(model, ids, chunk=q, loss_chunk=512, recompute=recompute)
         worst = max(rel_err(p.grad, ref[n]) for n, p in model.named_parameters())
-        out[f"Q={q}"] = {"loss_diff": abs(loss - loss_ref), "max_rel_grad_err": worst}
+        out[f"Q={q} {recompute}"] = {"loss_diff": abs(loss - loss_ref), "max_rel_grad_err": worst}
     ok = all(v["max_rel_grad_err"] <= 1e-4 for v in out.values())
     return {"check": "adjoint_vs_autograd_cuda_fp32", "ok": ok, **out}
 
