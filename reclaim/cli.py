@@ -128,7 +128,9 @@ def ssm_train(
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
     """Train a Mamba LM on a text corpus at a chosen context length. Any config field can be
-    overridden as `--field value` (e.g. --context_length 65536 --window 2048)."""
+    overridden as `--field value` (e.g. --context_length 65536 --window 2048). Under
+    `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...`, --sharding none | layer | time
+    picks data parallel, a pipeline over layer blocks, or context parallel."""
     from reclaim.ssm.train import load_config, parse_overrides, train
 
     try:

@@ -185,7 +185,8 @@ def _recv_window(size: int, n: int, h: torch.Tensor, src: int, group) -> Window:
     bsz, d, n_state = h.shape
     mu = _recv((bsz, n, d, n_state), h, src, group)
     r64 = h.new_empty(0, dtype=torch.float64)
-    return Window.resume(size, mu, _recv((bsz, n, d), r64, src, group), _recv((bsz, d), r64, src, group))
+    r = _recv((bsz, n, d), r64, src, group)
+    return Window.resume(size, mu, r, _recv((bsz, d), r64, src, group))
 
 
 def stage_parameters(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
@@ -259,7 +260,7 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         work.wait()
     if tied:
         _sum_tied(emb.weight, stash[0], _global(group, world - 1 if first else 0), first, group)
-    loss = torch.tensor([total], dtype=torch.float64)
+    loss = torch.tensor([total], dtype=torch.float64, device=input_ids.device)  # nccl: on the GPU
     dist.broadcast(loss, src=_global(group, world - 1), group=group)
     return loss.item() / n_tokens
 
@@ -339,7 +340,7 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     for work, _ in pending:
         work.wait()
     _all_reduce_grads(params, stash, group)
-    loss = torch.tensor([total], dtype=torch.float64)
+    loss = torch.tensor([total], dtype=torch.float64, device=input_ids.device)  # nccl: on the GPU
     dist.all_reduce(loss, group=group)
     return loss.item() / n_tokens
 

@@ -257,7 +257,8 @@ def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
                     state: dict[str, Any], tokenizer: Any = None, *,
-                    optimizer_file: str = "optimizer.pt", moved: dict[str, Path] | None = None) -> Path:
+                    optimizer_file: str = "optimizer.pt",
+                    moved: dict[str, Path] | None = None) -> Path:
     """Write checkpoint-{step}/ (HF model dir + optimizer + scheduler + trainer_state.json) atomically.
 
     moved: files written elsewhere (other ranks' optimizer states) to move in, by their name there.
@@ -307,15 +308,16 @@ class Ranks:
     def from_env(cls) -> "Ranks":
         """Read torchrun's RANK, WORLD_SIZE and LOCAL_RANK."""
         env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                   int(env.get("LOCAL_RANK", 0)))
 
 
 def _start(cfg: SSMTrainConfig, ranks: Ranks) -> tuple[torch.device, bool]:
     """This rank's device, and whether a process group was started here (to be destroyed here)."""
     if cfg.sharding != "none" and ranks.world < 2:
         raise ValueError(
-            f"sharding {cfg.sharding!r} splits the model over torchrun processes, but WORLD_SIZE is "
-            f"{ranks.world}; launch `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...` "
+            f"sharding {cfg.sharding!r} splits the model over torchrun processes, but WORLD_SIZE "
+            f"is {ranks.world}; launch `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...` "
             "with N >= 2, or use sharding none")
     device = torch.device(cfg.device)
     if ranks.world == 1:
@@ -436,7 +438,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     log_path = out / "log.jsonl"
     if cfg.resume_from_checkpoint:
         last, state = _resume_point(cfg, out, ranks)
-        _load_weights(model, last)  # whole model on the CPU first: by layer, a rank then keeps its block
+        _load_weights(model, last)  # whole, on the CPU: by layer a rank then keeps its block
         step, history = state["global_step"], state["log_history"]
         if lead:
             _trim_log(log_path, step)

@@ -7,6 +7,7 @@ backward and reports its worst relative error per parameter it is responsible fo
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -114,6 +115,16 @@ def _worker() -> None:
             err2 = worst_error(model, {n: 2 * g for n, g in ref.items()}, only)
             results.append({"case": [n_layer, length, chunk, tie], "scheme": scheme, "rank": rank,
                             "loss_err": abs(got - loss) / loss, "grad_err": max(err, err2)})
+        # A rank that keeps only its block holds only its stage's parameters and gets the same.
+        stage = copy.deepcopy(model)
+        P.free_other_stages(stage, rank, world)
+        own = P.stage_parameters(stage, rank, world)
+        held = sum(p.numel() for p in P._unique_parameters(stage))
+        assert held == sum(p.numel() for p in own) < sum(p.numel() for p in model.parameters())
+        got = P.layer_sharded_loss_backward(stage, ids, chunk=chunk, loss_chunk=7)
+        results.append({"case": [n_layer, length, chunk, tie], "scheme": "layer-freed",
+                        "rank": rank, "loss_err": abs(got - loss) / loss,
+                        "grad_err": worst_error(stage, ref, own)})
     for (n_layer, length, chunk, tie), windows in TRUNCATED:
         model = tiny_model(n_layer, tie)
         ids = torch.randint(0, 50, (2, length), generator=torch.Generator().manual_seed(length))
@@ -144,7 +155,7 @@ def test_layer_and_time_sharded_equal_autograd_on_two_gloo_ranks(tmp_path) -> No
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [r for rank in (0, 1)
                for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
-    assert len(results) == 2 * 2 * (len(CASES) + sum(len(w) for _, w in TRUNCATED))
+    assert len(results) == 2 * (3 * len(CASES) + 2 * sum(len(w) for _, w in TRUNCATED))
     for r in results:
         assert r["loss_err"] < 1e-12 and r["grad_err"] < 1e-9, r
 

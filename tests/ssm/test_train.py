@@ -87,8 +87,9 @@ def test_config_files_load_and_overrides_coerce() -> None:
         T.load_config(None, {"grad_mode": "truncated"})
 
 
-def test_cli_trains_from_a_config_file(tmp_path) -> None:
-    """`reclaim ssm-train` end to end on a small text corpus with a tokenizer directory."""
+def _char_corpus(tmp_path: Path, config: str) -> list[str]:
+    """A text file, a character-level tokenizer directory and a config file of `config` lines;
+    returns the ssm-train arguments that use them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,15 +99,57 @@ def test_cli_trains_from_a_config_file(tmp_path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]").save_pretrained(
         tmp_path / "tok")
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog " * 40)
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("d_model: 16\nn_layer: 2\nd_state: 4\ncontext_length: 64\nchunk_size: 16\n"
-                   "max_steps: 2\nlearning_rate: 1.0e-2\n")
+    (tmp_path / "c.yaml").write_text(config)
+    return ["--config", str(tmp_path / "c.yaml"), "--corpus", str(tmp_path / "text.txt"),
+            "--tokenizer", str(tmp_path / "tok")]
+
+
+def _cli(tmp_path: Path, launcher: list[str], args: list[str]) -> None:
+    proc = subprocess.run([*launcher, "-m", "reclaim.cli", "ssm-train", *args],
+                          capture_output=True, text=True,
+                          env={**os.environ, "RECLAIM_CACHE": str(tmp_path / "cache"),
+                               "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_cli_trains_from_a_config_file(tmp_path) -> None:
+    """`reclaim ssm-train` end to end on a small text corpus with a tokenizer directory."""
+    args = _char_corpus(tmp_path, "d_model: 16\nn_layer: 2\nd_state: 4\ncontext_length: 64\n"
+                                  "chunk_size: 16\nmax_steps: 2\nlearning_rate: 1.0e-2\n")
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "reclaim.cli", "ssm-train", "--config", str(cfg), "--grad-mode",
-         "adjoint", "--output_dir", str(out), "--corpus", str(tmp_path / "text.txt"),
-         "--tokenizer", str(tmp_path / "tok")],
-        capture_output=True, text=True, env={**os.environ, "RECLAIM_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _cli(tmp_path, [sys.executable], [*args, "--grad-mode", "adjoint", "--output_dir", str(out)])
     assert [r["step"] for r in _log(out)] == [1, 2]
     assert (out / "checkpoint-2" / "tokenizer.json").exists()
+
+
+def test_cli_under_torchrun_equals_one_process(tmp_path, monkeypatch, one_thread) -> None:
+    """`torchrun --nproc_per_node=2 -m reclaim.cli ssm-train --sharding layer` (truncated, each
+    rank one layer) logs the losses of the same config trained in one process."""
+    args = _char_corpus(tmp_path, "d_model: 16\nn_layer: 2\nd_state: 4\ncontext_length: 64\n"
+                                  "chunk_size: 16\nmax_steps: 3\nlearning_rate: 1.0e-2\n"
+                                  "dtype: float64\ngrad_mode: truncated\nwindow: 24\n")
+    out = tmp_path / "run"
+    _cli(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2"], [*args, "--sharding", "layer", "--output_dir", str(out)])
+    monkeypatch.setenv("RECLAIM_CACHE", str(tmp_path / "cache"))
+    T.train(T.load_config(args[1], {"output_dir": str(tmp_path / "one"), "corpus": args[3],
+                                    "tokenizer": args[5]}), progress=False)
+    got, want = _log(out), _log(tmp_path / "one")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-9)
+    assert json.loads((out / "train_config.json").read_text())["sharding"] == "layer"
+    assert (out / "checkpoint-3" / "tokenizer.json").exists()
+
+
+def test_bad_sharding_configs_say_what_is_allowed(tmp_path, tokens, monkeypatch) -> None:
+    with pytest.raises(ValueError, match="'pipeline' is not one of"):
+        T.load_config(None, {"sharding": "pipeline"})
+    with pytest.raises(ValueError, match="needs grad_mode in"):
+        T.load_config(None, {"sharding": "layer", "grad_mode": "backprop"})
+    assert T.load_config(None, T.parse_overrides(["--sharding", "none"])).sharding == "none"
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = T.SSMTrainConfig(output_dir=str(tmp_path), sharding="time", **TINY)
+    with pytest.raises(ValueError, match="WORLD_SIZE is 1; launch `torchrun"):
+        T.train(cfg, tokens=tokens, progress=False)
