@@ -411,11 +411,11 @@ def gathered_weights(model: nn.Module, rank: int, world: int, group=None) -> Ite
         yield False
         return
     full = {k: v for part in parts for k, v in part.items()}
-    lent = [p for n, p in model.named_parameters() if p.numel() == 0 and n in full]
-    for p in lent:
-        p.data = full[names[id(p)]].to(p.dtype)
+    lent = {n: (p, p.data) for n, p in model.named_parameters() if p.numel() == 0 and n in full}
+    for n, (p, _) in lent.items():
+        p.data = full[n].to(p.dtype)
     try:
         yield True
     finally:
-        for p in lent:
-            p.data = p.data.new_empty(0)
+        for p, empty in lent.values():
+            p.data = empty

@@ -27,8 +27,9 @@ TINY = dict(d_model=16, n_layer=3, d_state=4, context_length=48, chunk_size=10, 
 # name: (distributed overrides, single-process overrides). Windows: 7 < a segment, 25 > one.
 RUNS = {
     "layer-adjoint": ({"sharding": "layer", "grad_mode": "adjoint"}, {"grad_mode": "adjoint"}),
-    "layer-truncated": ({"sharding": "layer", "grad_mode": "truncated", "window": 7},
-                        {"grad_mode": "truncated", "window": 7}),
+    "layer-truncated": ({"sharding": "layer", "grad_mode": "truncated", "window": 7,
+                         "gradient_accumulation_steps": 2},
+                        {"grad_mode": "truncated", "window": 7, "gradient_accumulation_steps": 2}),
     "time-adjoint": ({"sharding": "time", "grad_mode": "adjoint", "per_device_train_batch_size": 2},
                      {"grad_mode": "adjoint", "per_device_train_batch_size": 2}),
     "time-truncated": ({"sharding": "time", "grad_mode": "truncated", "window": 25},
