@@ -463,7 +463,8 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     dp_rank, dp_world = (ranks.rank, ranks.world) if cfg.sharding == "none" else (0, 1)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and lead),
-               desc=f"ssm-train {cfg.grad_mode}")
+               desc=f"ssm-train {cfg.grad_mode}" + (f" {cfg.sharding} x{ranks.world}"
+                                                    if ranks.world > 1 else ""))
     t_start = time.perf_counter()
     tokens_seen = 0
     while step < cfg.max_steps:
