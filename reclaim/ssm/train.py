@@ -339,10 +339,13 @@ def _check_split(cfg: SSMTrainConfig, model: torch.nn.Module, world: int) -> Non
     from reclaim.ssm import parallel
     from reclaim.ssm.adjoint import chunk_bounds
 
-    if cfg.sharding == "layer":
-        parallel.layer_blocks(len(model.backbone.layers), world)
-    elif cfg.sharding == "time":
-        parallel.time_segments(len(chunk_bounds(cfg.context_length, cfg.chunk_size)), world)
+    try:
+        if cfg.sharding == "layer":
+            parallel.layer_blocks(len(model.backbone.layers), world)
+        elif cfg.sharding == "time":
+            parallel.time_segments(len(chunk_bounds(cfg.context_length, cfg.chunk_size)), world)
+    except ValueError as e:
+        raise ValueError(f"sharding {cfg.sharding!r} on {world} processes: {e}") from e
 
 
 def _optimizer_file(cfg: SSMTrainConfig, ranks: Ranks) -> str:
@@ -399,7 +402,8 @@ def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
     """Train per cfg; returns the log records of the steps run here (also in output_dir/log.jsonl).
 
     `tokens` (a 1-D token stream) replaces the corpus when given; its vocabulary must fit. Under
-    torchrun every rank calls this; see the module docstring for `sharding`.
+    torchrun every rank calls this (see the module docstring for `sharding`); rank 0 logs and
+    returns the records, the others return [].
     """
     ranks = Ranks.from_env()
     device, started = _start(cfg, ranks)
@@ -509,7 +513,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
                      "config": config_dict, "sharding": cfg.sharding, "world_size": ranks.world}
             _save(cfg, ranks, out, step, model, opt, sched, state, tokenizer)
     bar.close()
-    return records
+    return records if lead else []
 
 
 def demo_ssm(steps: int = 5, output_dir: str | None = None, log=print) -> list[dict[str, Any]]:
