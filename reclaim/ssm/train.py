@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from reclaim.ssm.adjoint import RECOMPUTE
+
 GRAD_MODES = ("backprop", "checkpoint", "adjoint", "truncated")
 SHARDINGS = ("none", "layer", "time")
 ADJOINT_MODES = ("adjoint", "truncated")
@@ -58,6 +60,10 @@ class SSMTrainConfig:
     grad_mode: str = "adjoint"
     chunk_size: int = 1024  # Q: tokens per recomputed chunk (adjoint, truncated)
     window: int | None = None  # T-bar: adjoint window (truncated); None = exact
+    # What the adjoint's backward holds a graph for: "chunk" (all layers of one chunk, fastest) or
+    # "layer" (one layer of one chunk, ~1/n_layer of that memory, one more no-grad forward).
+    # Layer and time sharding always hold one layer's graph.
+    adjoint_recompute: str = "chunk"
     loss_chunk: int = 1024  # tokens per logits sub-chunk, so the vocabulary never spans the sequence
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
@@ -86,6 +92,9 @@ class SSMTrainConfig:
             raise ValueError(f"sharding {self.sharding!r} shards the adjoint: it needs grad_mode in "
                              f"{list(ADJOINT_MODES)}, got {self.grad_mode!r} (use sharding none "
                              f"for data parallel {self.grad_mode})")
+        if self.adjoint_recompute not in RECOMPUTE:
+            raise ValueError(f"adjoint_recompute {self.adjoint_recompute!r} is not one of "
+                             f"{list(RECOMPUTE)}")
         if self.grad_mode == "truncated" and not self.window:
             raise ValueError("grad_mode 'truncated' needs window (T-bar) >= 1; got "
                              f"{self.window!r}")
@@ -223,9 +232,12 @@ def loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, cfg: SSMTrain
     from reclaim.ssm import parallel
     from reclaim.ssm.adjoint import adjoint_loss_backward
 
-    fn = {"none": adjoint_loss_backward, "layer": parallel.layer_sharded_loss_backward,
-          "time": parallel.time_sharded_loss_backward}[cfg.sharding]
     window = cfg.window if cfg.grad_mode == "truncated" else None
+    if cfg.sharding == "none":
+        return adjoint_loss_backward(model, input_ids, chunk=cfg.chunk_size, window=window,
+                                     loss_chunk=cfg.loss_chunk, recompute=cfg.adjoint_recompute)
+    fn = {"layer": parallel.layer_sharded_loss_backward,
+          "time": parallel.time_sharded_loss_backward}[cfg.sharding]
     return fn(model, input_ids, chunk=cfg.chunk_size, window=window, loss_chunk=cfg.loss_chunk)
 
 

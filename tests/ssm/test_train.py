@@ -32,14 +32,16 @@ def _log(path: Path) -> list[dict]:
 
 def test_modes_agree_on_the_first_step_and_loss_falls(tmp_path, tokens) -> None:
     first = {}
-    for mode in T.GRAD_MODES:
-        cfg = T.SSMTrainConfig(output_dir=str(tmp_path / mode), grad_mode=mode,
+    runs = [(mode, "chunk") for mode in T.GRAD_MODES] + [("adjoint", "layer")]
+    for mode, recompute in runs:
+        name = f"{mode}-{recompute}" if recompute != "chunk" else mode
+        cfg = T.SSMTrainConfig(output_dir=str(tmp_path / name), grad_mode=mode,
                                window=10_000 if mode == "truncated" else None,
-                               **{**TINY, "max_steps": 5})
+                               adjoint_recompute=recompute, **{**TINY, "max_steps": 5})
         records = T.train(cfg, tokens=tokens, progress=False)
         assert [r["step"] for r in records] == list(range(1, 6))
         assert records[-1]["loss"] < records[0]["loss"]
-        first[mode] = [r["loss"] for r in records[:2]]
+        first[name] = [r["loss"] for r in records[:2]]
     # Same init and data, and every mode's gradient is backprop's (truncated with T-bar >= T):
     # so the first two losses agree across modes.
     for mode, losses in first.items():
@@ -85,6 +87,8 @@ def test_config_files_load_and_overrides_coerce() -> None:
         T.load_config(None, {"grad_mode": "sgd"})
     with pytest.raises(ValueError, match="window"):
         T.load_config(None, {"grad_mode": "truncated"})
+    with pytest.raises(ValueError, match="adjoint_recompute 'all' is not one of"):
+        T.load_config(None, {"adjoint_recompute": "all"})
 
 
 def _char_corpus(tmp_path: Path, config: str) -> list[str]:
