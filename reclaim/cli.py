@@ -155,6 +155,8 @@ def bench_ssm(
     cap_gib: float = typer.Option(None, "--cap-gib", help="Memory cap for 'longest context' (GiB)."),
     max_context: int = typer.Option(None, "--max-context", help="Longest context to try."),
     threads: int = typer.Option(None, help="Torch CPU threads per point (default 2)."),
+    adjoint_recompute: str = typer.Option(None, "--adjoint-recompute",
+                                          help="chunk (default) | layer: the adjoint's graph per step."),
     out: str = typer.Option("benchmarks", help="Directory for ssm.json and ssm.png."),
 ) -> None:
     """Peak memory and step time vs context: backprop, checkpointing, exact and truncated adjoint."""
@@ -163,7 +165,7 @@ def bench_ssm(
     from reclaim.bench.ssm import bench_spec, main
 
     spec = bench_spec(quick=quick, device=device, cap_gib=cap_gib, max_context=max_context,
-                      threads=threads)
+                      threads=threads, adjoint_recompute=adjoint_recompute)
     main(spec, Path(out))
 
 

@@ -46,6 +46,7 @@ class BenchSpec:
     chunk_size: int = 2048
     window: int = 1024
     loss_chunk: int = 1024
+    adjoint_recompute: str = "chunk"  # "layer": one layer's graph at a time (see adjoint.py)
     cap_gib: float = 1.0
     hard_limit_gib: float = 12.0
     contexts: list[int] = field(default_factory=lambda: [4096 << i for i in range(6)])
@@ -90,7 +91,8 @@ def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
     cuda = device.type == "cuda"
     cfg = SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, context_length=context,
                          grad_mode=mode, chunk_size=spec.chunk_size, loss_chunk=spec.loss_chunk,
-                         window=spec.window if mode == "truncated" else None, device=spec.device)
+                         window=spec.window if mode == "truncated" else None, device=spec.device,
+                         adjoint_recompute=spec.adjoint_recompute)
     model = build_model(cfg, spec.vocab_size).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():  # allocate Adam's moments now, so the step measures activations
@@ -322,7 +324,8 @@ def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=pri
 
 
 def bench_spec(*, quick: bool = False, device: str = "cpu", cap_gib: float | None = None,
-               max_context: int | None = None, threads: int | None = None) -> BenchSpec:
+               max_context: int | None = None, threads: int | None = None,
+               adjoint_recompute: str | None = None) -> BenchSpec:
     """The sweep `reclaim bench ssm` runs: sized for this CPU machine, a GPU, or a quick smoke run."""
     if quick:
         spec = BenchSpec(chunk_size=1024, window=512, cap_gib=0.25, reference_context=8192,
@@ -341,4 +344,6 @@ def bench_spec(*, quick: bool = False, device: str = "cpu", cap_gib: float | Non
         spec.contexts = [c for c in spec.contexts if c <= max_context] or [max_context]
     if threads is not None:
         spec.threads = threads
+    if adjoint_recompute is not None:
+        spec.adjoint_recompute = adjoint_recompute
     return spec
