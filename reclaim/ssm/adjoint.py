@@ -47,6 +47,12 @@ def aligned_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torc
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
 
 
+def layer_windows(window: int | None, length: int, n_layers: int) -> list[Window | None]:
+    """One truncation state per layer; a window spanning the sequence truncates nothing (None)."""
+    return [Window(window) if window is not None and window < length else None
+            for _ in range(n_layers)]
+
+
 def cell_forward(
     layer: nn.Module, x: torch.Tensor, state: LayerState
 ) -> tuple[torch.Tensor, LayerState]:
@@ -219,9 +225,7 @@ def adjoint_loss_backward(
         raise ValueError("no token to predict: need T >= 2 and at least one label != -100")
     bounds = chunk_bounds(input_ids.shape[1], chunk)
     layers = model.backbone.layers
-    # A window covering the whole sequence truncates nothing: skip its bookkeeping.
-    windows = [Window(window) if window is not None and window < input_ids.shape[1] else None
-               for _ in layers]
+    windows = layer_windows(window, input_ids.shape[1], len(layers))
 
     saved, _ = forward_states(model, input_ids, bounds, offload)
     carries: list[LayerState | None] = [None] * len(layers)

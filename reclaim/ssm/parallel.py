@@ -36,7 +36,8 @@ from torch import nn
 
 from reclaim.models.mamba import LayerState
 from reclaim.ssm.adjoint import (aligned_labels, cell_backward, cell_forward, chunk_bounds,
-                                 chunk_inputs, embed_backward, forward_states, head_backward)
+                                 chunk_inputs, embed_backward, forward_states, head_backward,
+                                 layer_windows)
 from reclaim.ssm.scan import Window
 
 
@@ -76,8 +77,9 @@ def time_segments(n_chunks: int, world: int) -> list[range]:
 
 def wavefront_loss_backward(model: nn.Module, input_ids: torch.Tensor,
                             labels: torch.Tensor | None = None, *, chunk: int, workers: int = 2,
-                            loss_chunk: int = 1024) -> float:
-    """Exact adjoint with the backward shards of each wave run on `workers` threads.
+                            window: int | None = None, loss_chunk: int = 1024) -> float:
+    """The chunked adjoint (exact, or truncated to `window`) with the backward shards of each
+    wave run on `workers` threads.
 
     Accumulates .grad like loss.backward() of the mean next-token CE; returns the loss. Cells in
     a wave belong to distinct layers, so parameter accumulation never races; head and embedding
@@ -92,11 +94,14 @@ def wavefront_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     inputs: dict[int, list[torch.Tensor]] = {}  # chunk -> input of every layer (chunks in flight)
     cot: dict[int, torch.Tensor] = {}  # chunk -> cotangent of the next layer's input
     carry: list[LayerState | None] = [None] * n_layers
+    # A layer's cells run last chunk first, as its Window needs.
+    windows = layer_windows(window, input_ids.shape[1], n_layers)
     total = 0.0
 
     def run(cell: Cell) -> None:
         k, c = cell.layer, cell.chunk
-        cot[c], carry[k] = cell_backward(layers[k], inputs[c][k], saved[c][k], cot[c], carry[k])
+        cot[c], carry[k] = cell_backward(layers[k], inputs[c][k], saved[c][k], cot[c], carry[k],
+                                         windows[k])
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for wave in waves(n_layers, len(bounds)):
@@ -171,11 +176,6 @@ def _setup(group, input_ids: torch.Tensor, labels: torch.Tensor | None, chunk: i
     return rank, world, prev, nxt, lab, n_tokens, chunk_bounds(input_ids.shape[1], chunk)
 
 
-def _windows(window: int | None, length: int, n: int) -> list[Window | None]:
-    """One truncation state per layer; a window spanning the sequence truncates nothing (None)."""
-    return [Window(window) if window is not None and window < length else None for _ in range(n)]
-
-
 def _global(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
@@ -236,7 +236,7 @@ def layer_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
             if not last:
                 _send(x, nxt, group, pending)
     carry: list[LayerState | None] = [None] * len(block)
-    windows = _windows(window, input_ids.shape[1], len(block))
+    windows = layer_windows(window, input_ids.shape[1], len(block))
     total = 0.0
     for c in reversed(range(len(bounds))):
         s, e = bounds[c]
@@ -323,7 +323,7 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         cot.append(dx)
     length = input_ids.shape[1]
     after = min(window or 0, length - mine[-1][1])  # tokens a Window here needs from rank + 1
-    for k, win in reversed(list(enumerate(_windows(window, length, len(layers))))):
+    for k, win in reversed(list(enumerate(layer_windows(window, length, len(layers))))):
         carry = None
         if rank < world - 1:
             carry = LayerState(*(_recv(t.shape, t, nxt, group) for t in like))

@@ -89,6 +89,18 @@ def test_wavefront_equals_autograd(n_layer, length, chunk, tie) -> None:
     assert worst_error(model, ref) < 1e-9
 
 
+def test_wavefront_truncated_equals_single_process_truncated() -> None:
+    from reclaim.ssm.adjoint import adjoint_loss_backward
+
+    model = tiny_model(3)
+    ids = torch.randint(0, 50, (1, 40))
+    adjoint_loss_backward(model, ids, chunk=6, window=9, loss_chunk=7)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    P.wavefront_loss_backward(model, ids, chunk=6, window=9, workers=2, loss_chunk=7)
+    assert worst_error(model, ref) < 1e-9
+
+
 def _worker() -> None:
     """One torchrun rank: every case, both sharding schemes, against the local autograd result
     (exact) or the single-process truncated adjoint (window)."""
