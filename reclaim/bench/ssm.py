@@ -269,15 +269,19 @@ def memory_sources(spec: BenchSpec, context: int) -> dict[str, int]:
     """Where the adjoint's step memory comes from, by formula (bytes, fp32)."""
     d_inner, n, conv = 2 * spec.d_model, 16, 3
     chunks = -(-context // spec.chunk_size)
-    return {
-        "boundary states (h + conv tail per layer per chunk)":
-            chunks * spec.n_layer * d_inner * (n + conv) * 4,
-        "one chunk's layer inputs (residual stream)": spec.chunk_size * spec.d_model * spec.n_layer * 4,
-        "one layer's recompute graph for one chunk (~12 x d_inner per token)":
-            spec.chunk_size * d_inner * 12 * 4,
-        "logits + their gradient for one loss sub-chunk": spec.loss_chunk * spec.vocab_size * 4 * 3,
-        "token ids and labels": context * 8 * 2,
-    }
+    graph = spec.chunk_size * d_inner * 12 * 4  # one layer's recompute graph, ~12 x d_inner per token
+    out = {"boundary states (h + conv tail per layer per chunk)":
+           chunks * spec.n_layer * d_inner * (n + conv) * 4}
+    if spec.adjoint_recompute == "chunk":
+        out["one chunk's recompute graph, all layers (~12 x d_inner per token per layer)"] = (
+            graph * spec.n_layer)
+    else:
+        out["one chunk's layer inputs (residual stream)"] = (
+            spec.chunk_size * spec.d_model * spec.n_layer * 4)
+        out["one layer's recompute graph for one chunk (~12 x d_inner per token)"] = graph
+    out["logits + their gradient for one loss sub-chunk"] = spec.loss_chunk * spec.vocab_size * 4 * 3
+    out["token ids and labels"] = context * 8 * 2
+    return out
 
 
 def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict[str, Any]:
