@@ -284,15 +284,46 @@ def memory_sources(spec: BenchSpec, context: int) -> dict[str, int]:
     return out
 
 
+def truncation_error(spec: BenchSpec, context: int, windows: list[int]) -> dict[str, float]:
+    """Relative L2 error of the truncated adjoint's whole gradient (all parameters) against the
+    exact adjoint's, per window T-bar, on the sweep's (randomly initialised) model and random
+    tokens of length `context`."""
+    import torch
+
+    from reclaim.ssm.adjoint import adjoint_loss_backward
+    from reclaim.ssm.train import SSMTrainConfig, build_model
+
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    cfg = SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, context_length=context)
+    model = build_model(cfg, spec.vocab_size).to(spec.device)
+    gen = torch.Generator().manual_seed(spec.seed)
+    ids = torch.randint(0, spec.vocab_size, (1, context), generator=gen).to(spec.device)
+
+    def gradient(window: int | None) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        adjoint_loss_backward(model, ids, chunk=spec.chunk_size, window=window,
+                              loss_chunk=spec.loss_chunk)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    exact = gradient(None)
+    return {str(w): ((gradient(w) - exact).norm() / exact.norm()).item() for w in windows}
+
+
 def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict[str, Any]:
-    """Run the sweep, then `report` it."""
+    """Run the sweep and the truncation-error measurement, then `report` them."""
     log(f"bench ssm: d_model={spec.d_model} n_layer={spec.n_layer} vocab={spec.vocab_size} "
         f"device={spec.device} cap={spec.cap_gib} GiB contexts={spec.contexts}")
-    return report(spec, sweep(spec, log=log), out_dir, log)
+    points = sweep(spec, log=log)
+    context = spec.contexts[0]
+    windows = [w for w in (16, 64, 256, 1024) if w < context] + [context]
+    return report(spec, points, out_dir, log, truncation_error(spec, context, windows))
 
 
-def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=print) -> dict[str, Any]:
-    """Print the summary and where memory comes from; write ssm.json and ssm.png."""
+def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=print,
+           trunc_error: dict[str, float] | None = None) -> dict[str, Any]:
+    """Print the summary, where memory comes from and the truncated adjoint's gradient error
+    (`truncation_error`, when given); write ssm.json and ssm.png."""
     summary = summarize(spec, points)
     for cap, longest in summary["longest_context_under_cap_gib"].items():
         log(f"longest context under {cap} GiB: " + ", ".join(
@@ -320,6 +351,10 @@ def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=pri
         f"{m} {v / 1024:.2f} KiB" for m, v in slopes.items()))
     result = {"spec": asdict(spec), "points": points, "summary": summary,
               "adjoint_memory_sources_bytes": sources, "bytes_per_token_slope": slopes}
+    if trunc_error:
+        result["truncated_gradient_rel_l2_error"] = {"context": spec.contexts[0], **trunc_error}
+        log(f"truncated adjoint, relative L2 error of the gradient vs exact at {spec.contexts[0]} "
+            "tokens: " + ", ".join(f"T-bar {w}: {e:.2e}" for w, e in trunc_error.items()))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "ssm.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(spec, points, out_dir / "ssm.png")

@@ -1,6 +1,6 @@
 """`reclaim bench ssm` end to end on a tiny model: every mode runs in its own process and the
 first full step's loss agrees across modes (same init and data; every gradient is backprop's,
-the truncated one too with T-bar >= T)."""
+the truncated one too with T-bar >= T); the truncation error falls with the window."""
 
 from __future__ import annotations
 
@@ -23,4 +23,7 @@ def test_bench_ssm_runs_every_mode_and_writes_json_and_png(tmp_path) -> None:
         assert p["peak_bytes"] > 0 and p["step_s"] > 0
         assert p["loss"] == pytest.approx(points["backprop"]["loss"], rel=1e-5)
     assert set(result["summary"]["ratios"]) == set(MODES[1:])
+    # Truncation error: shrinks as the window grows, and a window spanning the context is exact.
+    err = result["truncated_gradient_rel_l2_error"]
+    assert err["16"] > err["1024"] > 0 and err["2048"] < 1e-5
     assert (tmp_path / "ssm.png").stat().st_size > 10_000
