@@ -127,23 +127,18 @@ def _fetch(state: LayerState, device: torch.device) -> LayerState:
 
 def forward_states(
     model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], offload: bool = False
-) -> tuple[list[list[LayerState]], list[torch.Tensor]]:
-    """Pass 1 without autograd: every layer's state at every chunk start, and the last chunk's
-    layer inputs (so pass 2 need not recompute that chunk). States go to pinned host memory if
-    `offload`."""
+) -> list[list[LayerState]]:
+    """Pass 1 without autograd: every layer's state at every chunk start (saved[chunk][layer]),
+    in pinned host memory if `offload`."""
     states = model.zero_states(input_ids.shape[0])
     saved: list[list[LayerState]] = []
-    inputs: list[torch.Tensor] = []
     with torch.no_grad():
-        for c, (s, e) in enumerate(bounds):
+        for s, e in bounds:
             saved.append([_stash(st, offload) for st in states])
             x = model.backbone.embeddings(input_ids[:, s:e])
-            inputs = []
             for k, layer in enumerate(model.backbone.layers):
-                inputs.append(x)
                 x, states[k] = cell_forward(layer, x, states[k])
-    inputs.append(x)
-    return saved, inputs
+    return saved
 
 
 def chunk_inputs(model: nn.Module, ids: torch.Tensor, states: list[LayerState]) -> list[torch.Tensor]:
@@ -227,7 +222,7 @@ def adjoint_loss_backward(
     layers = model.backbone.layers
     windows = layer_windows(window, input_ids.shape[1], len(layers))
 
-    saved, _ = forward_states(model, input_ids, bounds, offload)
+    saved = forward_states(model, input_ids, bounds, offload)
     carries: list[LayerState | None] = [None] * len(layers)
     total = 0.0
     for c in reversed(range(len(bounds))):

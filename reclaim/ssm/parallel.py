@@ -89,7 +89,7 @@ def wavefront_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     lab = aligned_labels(input_ids, labels)
     n_tokens = int((lab != -100).sum())
     bounds = chunk_bounds(input_ids.shape[1], chunk)
-    saved, _ = forward_states(model, input_ids, bounds)
+    saved = forward_states(model, input_ids, bounds)
     n_layers = len(layers)
     inputs: dict[int, list[torch.Tensor]] = {}  # chunk -> input of every layer (chunks in flight)
     cot: dict[int, torch.Tensor] = {}  # chunk -> cotangent of the next layer's input
