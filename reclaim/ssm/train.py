@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from reclaim.ssm.adjoint import RECOMPUTE
+from reclaim.ssm.adjoint import RECOMPUTE, adjoint_loss_backward, aligned_labels, chunk_bounds
 
 GRAD_MODES = ("backprop", "checkpoint", "adjoint", "truncated")
 SHARDINGS = ("none", "layer", "time")
@@ -207,8 +207,6 @@ def autograd_loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, *,
     """
     from torch.utils.checkpoint import checkpoint
 
-    from reclaim.ssm.adjoint import aligned_labels, chunk_bounds
-
     labels = aligned_labels(input_ids, None)
     n_tokens = int((labels != -100).sum())
     r = model.backbone.embeddings(input_ids)
@@ -230,7 +228,6 @@ def loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, cfg: SSMTrain
         return autograd_loss_backward(model, input_ids, checkpoint_layers=cfg.grad_mode == "checkpoint",
                                       loss_chunk=cfg.loss_chunk)
     from reclaim.ssm import parallel
-    from reclaim.ssm.adjoint import adjoint_loss_backward
 
     window = cfg.window if cfg.grad_mode == "truncated" else None
     if cfg.sharding == "none":
@@ -349,7 +346,6 @@ def _start(cfg: SSMTrainConfig, ranks: Ranks) -> tuple[torch.device, bool]:
 def _check_split(cfg: SSMTrainConfig, model: torch.nn.Module, world: int) -> None:
     """Fail before training if the layers or the chunks cannot be spread over the ranks."""
     from reclaim.ssm import parallel
-    from reclaim.ssm.adjoint import chunk_bounds
 
     try:
         if cfg.sharding == "layer":
