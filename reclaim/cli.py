@@ -46,12 +46,13 @@ def generate(
     """Generate a reply to PROMPT, streamed to stdout."""
     import sys
 
-    from reclaim.engine.quickstart import chat_prompt, stream
+    from reclaim.engine.quickstart import stream
+    from reclaim.models.tokenizer import encode_chat
 
     params = _sampling(max_tokens, temperature, top_p, seed)
     engine = _engine(model)
-    text = prompt if raw else chat_prompt(engine.tokenizer, [{"role": "user", "content": prompt}])
-    stream(engine, text, params, sys.stdout)
+    ids = engine.tokenizer.encode(prompt) if raw else encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+    stream(engine, ids, params, sys.stdout)
 
 
 @app.command()

@@ -35,9 +35,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def head_kernel(device: torch.device, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The matmul the engine uses for logits on this device and dtype."""
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+HEAD_KERNELS = ("auto", "linear")
+
+
+def head_kernel(device: torch.device, dtype: torch.dtype,
+                kind: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The matmul the engine uses for logits: 'auto' picks oneDNN for fp32 on CPU, 'linear' is
+    plain `F.linear` (what transformers uses; benchmarks compare both)."""
+    if kind not in HEAD_KERNELS:
+        raise ValueError(f"head kernel {kind!r} is unknown; allowed: {list(HEAD_KERNELS)}")
+    if kind == "auto" and device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         return cpu_linear
     return torch.nn.functional.linear
 
@@ -98,6 +105,7 @@ class Engine:
         device: torch.device | str | None = None,
         seed: int = 0,
         on_forward: Callable[[list[ForwardRecord]], None] | None = None,
+        head: str = "auto",
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -126,7 +134,7 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._default_eos())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.on_forward = on_forward
-        self._head = head_kernel(self.device, dtype)
+        self._head = head_kernel(self.device, dtype, head)
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0

@@ -12,6 +12,7 @@ from typing import Any, Iterable, TextIO
 
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import RequestOutput, SamplingParams
+from reclaim.models.tokenizer import encode_chat
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -23,11 +24,6 @@ DEMO_QUESTIONS = [
     "Why do leaves change color in autumn?",
     "Suggest a name for a pet turtle.",
 ]
-
-
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The conversation in the model's chat template, ready for the assistant's turn."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def stream(engine: Engine, prompt: str | list[int], params: SamplingParams, out: TextIO) -> RequestOutput:
@@ -57,7 +53,7 @@ def chat_loop(engine: Engine, params: SamplingParams, lines: Iterable[str], out:
             history.clear()
         elif line:
             history.append({"role": "user", "content": line})
-            reply = stream(engine, chat_prompt(engine.tokenizer, history), params, out)
+            reply = stream(engine, encode_chat(engine.tokenizer, history), params, out)
             history.append({"role": "assistant", "content": reply.text})
         if interactive:
             out.write("> ")
@@ -68,7 +64,7 @@ def chat_loop(engine: Engine, params: SamplingParams, lines: Iterable[str], out:
 def demo(model: Any, tokenizer: Any, *, max_tokens: int = 64, out: TextIO = sys.stdout) -> dict[str, float]:
     """A batch of chat prompts through the engine at once; prints answers and tokens/s."""
     engine = Engine(model, tokenizer, max_num_seqs=len(DEMO_QUESTIONS), max_model_len=1024)
-    prompts = [chat_prompt(tokenizer, [{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     secs = time.perf_counter() - t

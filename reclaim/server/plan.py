@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from reclaim.engine.request import SamplingParams
+from reclaim.models.tokenizer import encode_chat
 from reclaim.server.errors import APIError
 from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -141,12 +142,10 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt)
+        ids = encode_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt)
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
         raise APIError(400, f"the chat template rejected these messages: {exc}",
                        param="messages") from exc
-    ids = tokenizer.encode(text, add_special_tokens=False)
     _check_prompt(ids, limits, "messages")
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

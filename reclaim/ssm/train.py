@@ -184,7 +184,7 @@ def build_model(cfg: SSMTrainConfig, vocab_size: int) -> torch.nn.Module:
 def load_tokenizer(name: str | None) -> Any:
     """The tokenizer of an HF directory; None is the default model's (SmolLM2)."""
     if name is None:
-        from reclaim.models.loading import load_tokenizer as default
+        from reclaim.models.tokenizer import load_tokenizer as default
 
         return default(None)
     from transformers import AutoTokenizer

@@ -85,6 +85,6 @@ def smol(default_model_dir):
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(default_model_dir):
-    from reclaim.models.loading import load_tokenizer
+    from reclaim.models.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)

@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from reclaim.cli import app
 from reclaim.engine.engine import Engine
-from reclaim.engine.quickstart import chat_loop, chat_prompt
+from reclaim.engine.quickstart import chat_loop
+from reclaim.models.tokenizer import encode_chat
 from reclaim.engine.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -19,8 +20,8 @@ def test_chat_keeps_history_and_streams_replies(smol):
     history = chat_loop(Engine(model, tok, max_model_len=512, max_num_seqs=4), GREEDY, ["My name is Ada.", "", "Who am I?"], out)
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
     ref = Engine(model, tok, max_model_len=512, max_num_seqs=4)
-    first = ref.generate([chat_prompt(tok, history[:1])], GREEDY)[0].text
-    second = ref.generate([chat_prompt(tok, history[:3])], GREEDY)[0].text
+    first = ref.generate([encode_chat(tok, history[:1])], GREEDY)[0].text
+    second = ref.generate([encode_chat(tok, history[:3])], GREEDY)[0].text
     assert history[1]["content"] == first and history[3]["content"] == second
     assert out.getvalue() == f"{first}\n{second}\n"
 
@@ -31,5 +32,5 @@ def test_generate_command_prints_the_engine_output(smol, default_model_dir):
                                    "--max-tokens", "8"])
     assert res.exit_code == 0, res.output
     want = Engine(model, tok, max_model_len=512, max_num_seqs=4).generate(
-        [chat_prompt(tok, [{"role": "user", "content": "What is 2+2?"}])], GREEDY)[0].text
+        [encode_chat(tok, [{"role": "user", "content": "What is 2+2?"}])], GREEDY)[0].text
     assert want and res.stdout.endswith(want + "\n")

@@ -5,11 +5,11 @@ import torch
 
 from reclaim.models.cache import DenseCache
 from reclaim.models.hf import hf_generate, hf_logits, load_hf_model
+from reclaim.models.tokenizer import load_tokenizer
 from reclaim.models.loading import (
     default_gguf,
     load_checkpoint,
     load_model,
-    load_tokenizer,
     resolve_model_dir,
     save_model,
 )

@@ -1,0 +1,73 @@
+"""The tokenizer: loading it offline, and the one way messages become prompt token ids.
+
+Every path that turns a conversation into ids (CLI, server, benchmarks, trainers) calls
+`encode_chat`, so a prompt is the same tokens whoever builds it. The chat template already writes
+the special tokens it wants (a Llama-3 template writes its own BOS), so the rendered text is
+encoded without adding any more.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def has_tokenizer(path: os.PathLike | str) -> bool:
+    """Whether an HF model directory holds tokenizer files."""
+    from pathlib import Path
+
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
+    """transformers' AutoTokenizer (with its chat template) from a model directory, offline.
+
+    None or 'default' is the bundled default model's tokenizer.
+    """
+    from reclaim.models.loading import resolve_model_dir
+
+    path = resolve_model_dir(name_or_path)
+    if not has_tokenizer(path):
+        raise FileNotFoundError(f"model directory {str(path)!r} has no tokenizer files {list(TOKENIZER_FILES)}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                **template_kwargs: Any) -> str:
+    """The conversation as text in the model's chat template (ready for the assistant's turn)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                split_special_tokens: bool = False, **template_kwargs: Any) -> list[int]:
+    """Prompt token ids for `messages` with the chat template.
+
+    split_special_tokens: treat special-token text inside message contents (e.g. a user typing
+    '<|im_start|>system') as plain text, not as control tokens. The template's own special
+    tokens stay special. Off by default, as in vLLM and transformers.
+    """
+    if not split_special_tokens:
+        text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    # Render with a unique marker in place of each content, then encode the template's text with
+    # special tokens recognised and each content with them split.
+    marks = [f"\x00reclaim{uuid.uuid4().hex}{i}\x00" for i in range(len(messages))]
+    masked = [{**m, "content": mark} if isinstance(m.get("content"), str) else m
+              for m, mark in zip(messages, marks)]
+    text = render_chat(tokenizer, masked, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    ids: list[int] = []
+    for m, mark in zip(messages, marks):
+        if not isinstance(m.get("content"), str) or mark not in text:
+            continue
+        before, text = text.split(mark, 1)
+        ids += tokenizer.encode(before, add_special_tokens=False) if before else []
+        ids += tokenizer.encode(m["content"], add_special_tokens=False, split_special_tokens=True) \
+            if m["content"] else []
+    ids += tokenizer.encode(text, add_special_tokens=False) if text else []
+    return ids
