@@ -3,7 +3,9 @@
 Each block: r + out_proj(scan(silu(conv(x))) * silu(z)) with [x, z] = in_proj(RMSNorm(r)). The
 recurrent state of a layer is (h [B, D_inner, N], conv tail [B, D_inner, K-1]: the last K-1
 pre-conv inputs); every forward takes it in and hands it back, so a sequence can be run in chunks
-(adjoint training) or one token at a time (generation) with the same code.
+(adjoint training) or one token at a time (generation) with the same code. `forward_chunk` takes
+the selective-scan kernel to run (default `selective_scan`): training engines that change the scan's
+backward (the truncated adjoint) pass theirs in, and the model holds no training logic.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reclaim.ssm.scan import Window, selective_scan
+from reclaim.models.kernels.scan import ScanFn, selective_scan
+from reclaim.models.norm import RMSNorm
 
 HF_ARCH = "MambaForCausalLM"
 MAMBA_SSM_WEIGHTS = "pytorch_model.bin"
@@ -163,19 +166,6 @@ def mamba_ssm_to_hf_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {HF_EMBED if k == SSM_EMBED else k: v for k, v in state.items()}
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.weight.dtype
-        x = x.to(torch.promote_types(x.dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class MambaMixer(nn.Module):
     """The selective-SSM mixer of one layer (HF MambaMixer parameters)."""
 
@@ -213,9 +203,12 @@ class MambaMixer(nn.Module):
         )
 
     def forward_chunk(
-        self, u: torch.Tensor, h0: torch.Tensor, conv0: torch.Tensor, window: Window | None = None
+        self, u: torch.Tensor, h0: torch.Tensor, conv0: torch.Tensor, *, scan: ScanFn = selective_scan
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mix normed input u [B, T, H] from state (h0, conv0); returns (out, h1, conv1)."""
+        """Mix normed input u [B, T, H] from state (h0, conv0); returns (out, h1, conv1).
+
+        scan: the kernel, called as scan(x, dt, A, B, C, h0) -> (y, h1).
+        """
         t = u.shape[1]
         x, z = self.in_proj(u).chunk(2, dim=-1)
         xc = torch.cat([conv0.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+T, D]
@@ -232,7 +225,7 @@ class MambaMixer(nn.Module):
         dt, B, C = self.x_proj(x).split([self.dt_proj.in_features, self.n_state, self.n_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt).to(torch.promote_types(x.dtype, torch.float32)))
         A = -torch.exp(self.A_log.to(dt.dtype))
-        y, h1 = selective_scan(x, dt, A, B, C, h0, window=window)
+        y, h1 = scan(x, dt, A, B, C, h0)
         y = y + x * self.D.to(y.dtype)
         y = y * F.silu(z.to(y.dtype))
         return self.out_proj(y.to(u.dtype)), h1, conv1
@@ -248,10 +241,10 @@ class MambaBlock(nn.Module):
         self.mixer = MambaMixer(cfg)
 
     def forward_chunk(
-        self, r: torch.Tensor, h0: torch.Tensor, conv0: torch.Tensor, window: Window | None = None
+        self, r: torch.Tensor, h0: torch.Tensor, conv0: torch.Tensor, *, scan: ScanFn = selective_scan
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual stream r [B, T, H] in, (r out, h1, conv1) out, from layer state (h0, conv0)."""
-        out, h1, conv1 = self.mixer.forward_chunk(self.norm(r), h0, conv0, window)
+        out, h1, conv1 = self.mixer.forward_chunk(self.norm(r), h0, conv0, scan=scan)
         if self.residual_in_fp32 and r.dtype in (torch.float16, torch.bfloat16):
             r = r.float()
         return r + out.to(r.dtype), h1, conv1

@@ -15,9 +15,9 @@ above it (they are back-propagated first, within the chunk, and carry their own 
 and layer inputs are not held fixed.
 
 Truncated mode (`window=W`) replaces each layer's state adjoint, for its parameter and input
-gradients, by mu_W(i) = mu(i) - (prod_{j=i+1}^{i+W} Abar_j) mu(i+W) (see scan.Window): each output
-reaches back through at most W state transitions per layer. The conv (K-1 tokens), the skip D,
-the C-path and the carried exact mu are untouched; W >= T is exact.
+gradients, by mu_W(i) = mu(i) - (prod_{j=i+1}^{i+W} Abar_j) mu(i+W) (see window.Window): each
+output reaches back through at most W state transitions per layer. The conv (K-1 tokens), the
+skip D, the C-path and the carried exact mu are untouched; W >= T is exact.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reclaim.models.mamba import LayerState
-from reclaim.ssm.scan import Window
+from reclaim.ssm.window import Window, scan_for
 
 RECOMPUTE = ("chunk", "layer")  # what pass 2 holds an autograd graph for: see adjoint_loss_backward
 
@@ -78,7 +78,7 @@ def cell_backward(
     x = x.detach().requires_grad_()
     h0, conv0 = (s.detach().requires_grad_() for s in state)
     with torch.enable_grad():
-        y, h1, conv1 = layer.forward_chunk(x, h0, conv0, window)
+        y, h1, conv1 = layer.forward_chunk(x, h0, conv0, scan=scan_for(window))
         outs, grads = [y], [dy]
         if dstate is not None:
             outs += [h1, conv1]
@@ -174,7 +174,7 @@ def chunk_backward(
     with torch.enable_grad():
         x = model.backbone.embeddings(ids)
         for layer, st, carry, window in zip(model.backbone.layers, leaves, carries, windows):
-            x, h1, conv1 = layer.forward_chunk(x, st.h, st.conv, window)
+            x, h1, conv1 = layer.forward_chunk(x, st.h, st.conv, scan=scan_for(window))
             if carry is not None:
                 ends += [h1, conv1]
                 end_grads += [carry.h, carry.conv]

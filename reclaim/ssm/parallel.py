@@ -13,7 +13,7 @@ global order of shards, so no schedule can deadlock.
 
 Both distributed variants take `window` (truncated adjoint, T-bar) and then equal the single-process
 `adjoint_loss_backward(..., window=W)`. By layer, a rank owns whole layers over all chunks, so one
-`scan.Window` per owned layer runs locally. By time, a layer's Window on rank r needs the exact
+`window.Window` per owned layer runs locally. By time, a layer's Window on rank r needs the exact
 state adjoint of the W tokens after its segment and the running dt-sum there, which rank r+1
 holds: rank r+1 sends them (`Window.handoff`) with the carry.
 
@@ -38,7 +38,7 @@ from reclaim.models.mamba import LayerState
 from reclaim.ssm.adjoint import (aligned_labels, cell_backward, cell_forward, chunk_bounds,
                                  chunk_inputs, embed_backward, forward_states, head_backward,
                                  layer_windows)
-from reclaim.ssm.scan import Window
+from reclaim.ssm.window import Window
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def test_exact_adjoint_equals_autograd(layers, chunks, tol, dtype, recompute):
 
 
 def test_exact_with_several_scan_blocks_per_chunk(monkeypatch):
-    from reclaim.ssm import scan
+    from reclaim.models.kernels import scan
 
     monkeypatch.setattr(scan, "BLOCK_ELEMENTS", 1)  # 16-token blocks inside every scan call
     model = make_model(2)

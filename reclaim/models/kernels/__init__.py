@@ -1,0 +1,1 @@
+"""Kernels the models run: plain PyTorch references today, faster ones (Triton) beside them later."""
