@@ -1,16 +1,21 @@
 """The inference engine: requests in, incremental outputs out, one `step()` at a time.
 
-Each step drains requests added or aborted from other threads, asks the scheduler what to run,
-runs it through the model against the paged KV cache (similar-length chunks share a forward),
-samples, detokenizes and checks stop conditions. Hooks for the other engines are explicit:
-`forward_tokens` (several new tokens against a sequence's cache, e.g. speculative verification),
-`on_forward` (hidden states of every chunk as it runs, e.g. to record a prompt's prefill) and
-`update_weights` (swaps weights between steps and bumps `weights_version`).
+Each step drains requests added or aborted from other threads, asks the scheduler what to run
+(a plain `SchedulerOutput`), has the model runner run it against the paged KV cache, samples,
+and commits the tokens through the output processor (detokenize, stop checks, deltas). A failure
+that belongs to one request (its sampling, its stop strings, its detokenization) fails that
+request alone; the step goes on for the others.
+
+Hooks for the other engines are explicit: `on_forward` (hidden states of every chunk as it runs,
+e.g. to record a prompt's prefill) and `update_weights` (swaps weights between steps and bumps
+`weights_version`; cached K/V of running requests is recomputed with the new weights unless
+`kv_on_weight_update="keep"`).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,34 +24,19 @@ import torch
 
 from reclaim.engine.detokenize import IncrementalDetokenizer
 from reclaim.engine.kv_cache import BlockManager, KVPool
+from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams, TokenLogprob
-from reclaim.engine.sampling import make_generator, sample, token_logprobs
+from reclaim.engine.runner import ModelRunner, Row
+from reclaim.engine.sampling import make_generator, sample_each, token_logprobs
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 from reclaim.models.llama import ForwardOutput
 
+log = logging.getLogger("reclaim.engine")
+
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for an LM head on CPU: MKL's sgemm is fine for one row but about 1.6x
-    slower than oneDNN for a few rows against a 50K-row weight (SmolLM2, 16 rows: 140 ms vs 89 ms)."""
-    if x.numel() == x.shape[-1]:
-        return torch.nn.functional.linear(x, weight)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-HEAD_KERNELS = ("auto", "linear")
-
-
-def head_kernel(device: torch.device, dtype: torch.dtype,
-                kind: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The matmul the engine uses for logits: 'auto' picks oneDNN for fp32 on CPU, 'linear' is
-    plain `F.linear` (what transformers uses; benchmarks compare both)."""
-    if kind not in HEAD_KERNELS:
-        raise ValueError(f"head kernel {kind!r} is unknown; allowed: {list(HEAD_KERNELS)}")
-    if kind == "auto" and device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return cpu_linear
-    return torch.nn.functional.linear
+# What happens to running requests' cached K/V when weights change: recompute it with the new
+# weights (exact: no token is conditioned on old-weights K/V), or keep it (cheaper, mixes versions).
+KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
 
 
 @dataclass
@@ -60,31 +50,6 @@ class ForwardRecord:
     block_ids: list[int]  # the sequence's block table; K/V of positions < start + len live there
     is_prefill: bool
     weights_version: int
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    generator: torch.Generator | None
-    detok: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None = None
-
-
-def group_chunks(chunks: list[ScheduledChunk], max_waste: float = 0.25) -> list[list[ScheduledChunk]]:
-    """Split a step's chunks into forwards of similar length, so padding stays within `max_waste`."""
-    groups: list[list[ScheduledChunk]] = []
-    cur: list[ScheduledChunk] = []
-    work = 0
-    for c in sorted(chunks, key=lambda c: c.num_tokens):
-        if cur and (len(cur) + 1) * c.num_tokens > (1 + max_waste) * (work + c.num_tokens):
-            groups.append(cur)
-            cur, work = [], 0
-        cur.append(c)
-        work += c.num_tokens
-    if cur:
-        groups.append(cur)
-    return groups
 
 
 class Engine:
@@ -106,12 +71,13 @@ class Engine:
         seed: int = 0,
         on_forward: Callable[[list[ForwardRecord]], None] | None = None,
         head: str = "auto",
+        kv_on_weight_update: str = "recompute",
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
-        self.device = torch.device(device) if device is not None else param.device
-        self.model = model.to(self.device).eval()
-        self.tokenizer = tokenizer
+        device = torch.device(device) if device is not None else param.device
+        if kv_on_weight_update not in KV_ON_WEIGHT_UPDATE:
+            raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}; allowed: {list(KV_ON_WEIGHT_UPDATE)}")
         dtype = param.dtype
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
@@ -122,10 +88,9 @@ class Engine:
             budget_tokens = max(kv_cache_bytes // per_token, max_model_len)
             num_blocks = -(-min(budget_tokens, max_num_seqs * max_model_len) // block_size)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.pool = KVPool(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=dtype, device=self.device,
-        )
+        self.runner = ModelRunner(model, self.blocks, device, head=head)
+        self.model, self.device = self.runner.model, device
+        self.tokenizer = tokenizer
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -134,14 +99,15 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._default_eos())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.on_forward = on_forward
-        self._head = head_kernel(self.device, dtype, head)
+        self.kv_on_weight_update = kv_on_weight_update
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
-        self._requests: dict[str, _Request] = {}
-        self._inbox: list[tuple[str, Any]] = []  # ("add", _Request) | ("abort", request_id)
+        self.num_request_errors = 0
+        self._requests: dict[str, RequestState] = {}
+        self._inbox: list[tuple[str, Any]] = []  # ("add", RequestState) | ("abort", request_id)
         self._inbox_lock = threading.Lock()  # add/abort may come from another thread
-        self._step_lock = threading.RLock()  # one step, weight swap or forward_tokens at a time
+        self._step_lock = threading.RLock()  # one step or weight swap at a time
         self._ids = itertools.count()
 
     def _default_eos(self) -> list[int]:
@@ -179,7 +145,7 @@ class Engine:
             )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        req = _Request(
+        req = RequestState(
             seq=Sequence(request_id, ids, len(ids), params),
             generator=make_generator(params.seed, self.device),
             detok=IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
@@ -209,6 +175,7 @@ class Engine:
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_total": self.blocks.num_blocks,
             "num_preemptions": self.num_preemptions,
+            "num_request_errors": self.num_request_errors,
             "weights_version": self.weights_version,
         }
 
@@ -223,9 +190,20 @@ class Engine:
             self.num_preemptions += len(sched.preempted)
             if not sched.chunks:
                 return outputs
-            sampled = self._execute(sched.chunks)
-            for rid, (token, lp) in sampled.items():
-                outputs.append(self._append_token(self._requests[rid], token, lp))
+            for rid, token, lp in self._execute(sched.chunks):
+                req = self._requests[rid]
+                if isinstance(token, Exception):
+                    outputs.append(self._fail(req, token))
+                    continue
+                try:
+                    out = commit(req, [token], [lp], self.weights_version, self.eos_token_ids,
+                                 self.max_model_len)
+                except Exception as exc:  # noqa: BLE001 - its detokenizer or stop strings: it alone fails
+                    outputs.append(self._fail(req, exc))
+                    continue
+                if out.finished:
+                    self._release(req)
+                outputs.append(out)
             return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -238,102 +216,59 @@ class Engine:
                 self.scheduler.add(item.seq)
             elif item in self._requests:
                 req = self._requests[item]
-                self.scheduler.remove(item)
-                outputs.append(self._finish(req, "abort", []))
+                req.finish_reason = "abort"
+                self._release(req)
+                outputs.append(output(req, [], [] if req.logprobs is not None else None, self.weights_version))
         return outputs
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Run the chunks' forwards and sample where a chunk ends its sequence."""
-        want_hidden = self.on_forward is not None
-        rows: list[_Request] = []
-        last: list[torch.Tensor] = []  # final hidden state of each row that samples
-        records: list[ForwardRecord] = []
+    def _release(self, req: RequestState) -> None:
+        """Forget a finished request and free its blocks."""
+        self.scheduler.remove(req.seq.request_id)
+        del self._requests[req.seq.request_id]
+
+    def _fail(self, req: RequestState, exc: Exception) -> RequestOutput:
+        """End one request with finish_reason 'error' (the others in the step go on)."""
+        log.warning("request %s failed: %r", req.seq.request_id, exc)
+        self.num_request_errors += 1
+        req.finish_reason, req.error = "error", f"{type(exc).__name__}: {exc}"
+        self._release(req)
+        try:
+            return output(req, [], [] if req.logprobs is not None else None, self.weights_version)
+        except Exception:  # noqa: BLE001 - even its text is broken: report it without text
+            return RequestOutput(req.seq.request_id, [], "", None, True, "error", self.weights_version,
+                                 req.first_version or self.weights_version, error=req.error)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[tuple[str, int | Exception, TokenLogprob | None]]:
+        """Run the chunks' forwards and sample where a chunk ends its sequence: (request id,
+        token or the exception that failed its sampling, logprob)."""
+        rows = [Row(c.request_id, c.start, self._requests[c.request_id].seq.token_ids[c.start:c.start + c.num_tokens])
+                for c in chunks]
         with torch.inference_mode():
-            for group in group_chunks(chunks):
-                seqs = [self._requests[c.request_id].seq for c in group]
-                ids = [s.token_ids[c.start:c.start + c.num_tokens] for s, c in zip(seqs, group)]
-                hidden = self._forward(seqs, [c.start for c in group], ids).hidden
-                for i, c in enumerate(group):
-                    if c.sample:
-                        rows.append(self._requests[c.request_id])
-                        last.append(hidden[i, c.num_tokens - 1])
-                    if want_hidden:
-                        records.append(ForwardRecord(
-                            c.request_id, c.start, ids[i], hidden[i, : c.num_tokens],
-                            list(self.blocks.tables[c.request_id]), c.is_prefill, self.weights_version,
-                        ))
-            if records:
-                self.on_forward(records)
-            if not rows:
-                return {}
-            x = self.logits(torch.stack(last))
-            params = [r.seq.params for r in rows]
-            tokens = sample(x, params, [r.generator for r in rows], self.generator)
-            lps: list[TokenLogprob | None] = [None] * len(rows)
-            want = [i for i, p in enumerate(params) if p.logprobs is not None]
+            hidden = self.runner.run(rows)
+            if self.on_forward is not None:
+                self.on_forward([
+                    ForwardRecord(c.request_id, c.start, r.token_ids, h, list(self.blocks.tables[c.request_id]),
+                                  c.is_prefill, self.weights_version)
+                    for c, r, h in zip(chunks, rows, hidden)
+                ])
+            sampling = [i for i, c in enumerate(chunks) if c.sample]
+            if not sampling:
+                return []
+            reqs = [self._requests[chunks[i].request_id] for i in sampling]
+            x = self.runner.logits(torch.stack([hidden[i][-1] for i in sampling]))
+            params = [r.seq.params for r in reqs]
+            tokens = sample_each(x, params, [r.generator for r in reqs], self.generator)
+            lps: list[TokenLogprob | None] = [None] * len(reqs)
+            want = [i for i, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[i], int)]
             if want:
                 got = token_logprobs(x[want], [tokens[i] for i in want], [params[i].logprobs for i in want])
                 for i, lp in zip(want, got):
                     lps[i] = lp
-        return {r.seq.request_id: (t, lp) for r, t, lp in zip(rows, tokens, lps)}
-
-    def _forward(self, seqs: list[Sequence], starts: list[int], ids: list[list[int]]) -> ForwardOutput:
-        """One model forward over new tokens `ids[i]` placed at `starts[i]` of each sequence.
-
-        Returns the final hidden states only; `logits()` applies the head where it is needed.
-        """
-        new = [len(x) for x in ids]
-        t = max(new)
-        view = self.pool.view([self.blocks.tables[s.request_id] for s in seqs], starts, new)
-        input_ids = torch.tensor([x + [0] * (t - len(x)) for x in ids], device=self.device)
-        return self.model(input_ids, view.positions, view, return_hidden=True, compute_logits=False)
+        return [(r.seq.request_id, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits from final hidden states [..., H], as the model's lm_head computes them."""
-        head = self.model.lm_head
-        out = self._head(hidden, head.weight)
-        if head.bias is not None:
-            out = out + head.bias
-        return out.float()
-
-    def _append_token(self, req: _Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
-        seq, p = req.seq, req.seq.params
-        seq.token_ids.append(token)
-        if lp is not None:
-            req.logprobs.append(lp)
-        reason = None
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            reason = "stop"  # the stop token stays in token_ids but adds no text
-        elif req.detok.add(token):
-            reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is None:
-            return self._output(req, [token], req.detok.delta(final=False))
-        self.scheduler.remove(seq.request_id)
-        return self._finish(req, reason, [token])
-
-    def _finish(self, req: _Request, reason: str, new_ids: list[int]) -> RequestOutput:
-        req.finish_reason = reason
-        req.detok.flush()
-        out = self._output(req, new_ids, req.detok.delta(final=True))
-        del self._requests[req.seq.request_id]
-        return out
-
-    def _output(self, req: _Request, new_ids: list[int], delta: str) -> RequestOutput:
-        seq = req.seq
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=list(seq.output_token_ids),
-            text=req.detok.text[: req.detok.emitted],
-            new_token_ids=new_ids,
-            delta_text=delta,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            finished=req.finish_reason is not None,
-            finish_reason=req.finish_reason,
-            weights_version=self.weights_version,
-        )
+        return self.runner.logits(hidden)
 
     # ---- convenience and hooks ----
 
@@ -374,11 +309,16 @@ class Engine:
             if not self.blocks.allocate(request_id, end):
                 raise RuntimeError(f"KV cache full: no blocks for {len(token_ids)} more tokens of {request_id!r}")
             with torch.inference_mode():
-                hidden = self._forward([seq], [seq.num_computed], [list(token_ids)]).hidden
+                hidden = self.runner.forward([Row(request_id, seq.num_computed, list(token_ids))])
                 return ForwardOutput(self.logits(hidden), hidden if return_hidden else None)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
-        """Copy new weights in between steps (the names of model.state_dict()); returns the new version."""
+        """Copy new weights in between steps (the names of model.state_dict()); returns the new version.
+
+        Running requests go on with the new weights; with kv_on_weight_update="recompute" (the
+        default) their cached K/V is recomputed first, so no new token attends to K/V made by
+        the old weights. Each output reports the version of its tokens.
+        """
         with self._step_lock:
             own = self.model.state_dict()
             unknown = sorted(set(state_dict) - set(own))
@@ -391,5 +331,7 @@ class Engine:
                             f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
                         )
                     own[name].copy_(value)
+            if self.kv_on_weight_update == "recompute":
+                self.scheduler.recompute_all()
             self.weights_version += 1
             return self.weights_version

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy: dividing logits by less overflows float32 (1e-39 gave garbage).
+GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # larger asks for no cut; the sampler clamps to the vocabulary
+MAX_TOKENS = 2**31 - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")
+
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, named as in vLLM and the OpenAI API.
 
-    top_k <= 0 and top_p = 1 and min_p = 0 disable those filters; temperature 0 is greedy.
+    top_k <= 0 and top_p = 1 and min_p = 0 disable those filters; temperature 0 (or below
+    GREEDY_TEMPERATURE) is greedy.
     logprobs: None for none, k >= 0 for the sampled token's logprob plus the k most likely.
     """
 
@@ -29,15 +42,24 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         checks = [
-            (self.temperature >= 0, "temperature", self.temperature, ">= 0"),
-            (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
-            (self.top_k >= -1, "top_k", self.top_k, ">= -1 (0 or -1 disables it)"),
-            (0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]"),
-            (self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1"),
+            (_finite(self.temperature) and 0 <= self.temperature <= 100, "temperature",
+             self.temperature, "0 to 100"),
+            (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
+            (isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k,
+             f"-1 to {MAX_TOP_K} (0 or -1 disables it)"),
+            (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]"),
+            (isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS, "max_tokens",
+             self.max_tokens, f"1 to {MAX_TOKENS}"),
+            (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63), "seed",
+             self.seed, "None or a 64-bit signed integer"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
              "None or 0..20"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-             "non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS and all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             self.stop, f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(
+                isinstance(t, int) and 0 <= t < 2**31 for t in self.stop_token_ids), "stop_token_ids",
+             self.stop_token_ids[:8], f"at most {MAX_STOP_TOKEN_IDS} token ids >= 0"),
         ]
         for ok, name, value, allowed in checks:
             if not ok:
@@ -45,7 +67,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -59,15 +81,28 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """A request's state after an engine step: everything so far plus what this step added."""
+    """What one engine step added to a request. Deltas only while it runs (no per-token copy of
+    the history); the final output (`finished`) also carries the whole prompt, tokens, text and
+    logprobs.
+
+    weights_version is the version of the weights that produced the newest token and
+    first_weights_version the one that produced the first: they differ when weights were swapped
+    in the middle of the response.
+    """
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
     new_token_ids: list[int]
     delta_text: str
-    logprobs: list[TokenLogprob] | None
+    new_logprobs: list[TokenLogprob] | None  # logprobs of new_token_ids, when asked for
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     weights_version: int
+    first_weights_version: int
+    text_offset: int = 0  # characters of text released before delta_text
+    num_output_tokens: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error"); others go on
+    # Final output only (None while running):
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    text: str | None = None
+    logprobs: list[TokenLogprob] | None = None

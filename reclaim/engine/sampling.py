@@ -2,8 +2,13 @@
 
 Filters (top-k, then top-p on what top-k kept, then min-p) and the draw are vectorised over the
 batch; the only per-row work is one uniform number from the row's own generator, so a seeded
-request draws the same numbers whatever else shares its batch. Logprobs are those of the model's
-raw distribution (log_softmax of the logits), as vLLM reports them.
+request draws the same numbers whatever else shares its batch. `probs` exposes the processed
+distribution itself (what speculative decoding's rejection rule compares). Logprobs are those of
+the model's raw distribution (log_softmax of the logits), as vLLM reports them.
+
+Numerics: NaN logits count as impossible and +inf as the largest float; the temperature divides
+logits after the row's maximum is subtracted, so a tiny temperature cannot overflow into NaN; the
+most likely token always survives the filters, so no distribution is ever empty.
 """
 
 from __future__ import annotations
@@ -11,6 +16,16 @@ from __future__ import annotations
 import torch
 
 from reclaim.engine.request import SamplingParams, TokenLogprob
+
+
+def sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 logits with NaN as -inf and +inf as the largest finite float; raises if a row has
+    no finite logit at all (nothing could be sampled from it)."""
+    x = logits.float()
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+    if x.numel() and not torch.isfinite(x.max(-1).values).all():
+        raise ValueError("the model produced no finite logit for a row; nothing can be sampled")
+    return x
 
 
 def filter_sorted(
@@ -22,7 +37,7 @@ def filter_sorted(
     """
     v = sorted_logits.shape[-1]
     rank = torch.arange(v, device=sorted_logits.device)
-    k = torch.where(top_k > 0, top_k, v)
+    k = torch.where(top_k > 0, top_k.clamp(max=v), v)
     x = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
     probs = x.softmax(-1)
     # Drop a token when the mass before it already reaches top_p (so the first always stays).
@@ -42,40 +57,86 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last)
 
 
+def sorted_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Processed probabilities of sampled (non-greedy) rows in descending-logit order, float64
+    [B, V], and that order [B, V] (vocabulary ids)."""
+    dev = logits.device
+    x = sanitize(logits)
+    x = x - x.max(-1, keepdim=True).values
+    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)
+    x = x / temp[:, None]
+    # Sorted order, so a row's draw depends only on its own logits and uniform.
+    x, order = x.sort(dim=-1, descending=True, stable=True)
+    x = filter_sorted(
+        x,
+        torch.tensor([p.top_k for p in params], device=dev, dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype),
+        torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype),
+    )
+    return x.double().softmax(-1), order
+
+
+def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from after temperature, top-k, top-p and min-p, in
+    vocabulary order, float64 [B, V]; a greedy row is one-hot at its argmax."""
+    out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        top = sanitize(logits[greedy]).argmax(-1)
+        out[greedy, top] = 1.0
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        sp, order = sorted_probs(logits[rows], [params[i] for i in rows])
+        out[rows] = torch.zeros_like(sp).scatter_(1, order, sp)
+    return out
+
+
+def uniforms(rows: list[int], generators: list[torch.Generator | None], fallback: torch.Generator | None,
+             device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per row, each from that row's generator (or the fallback)."""
+    return torch.tensor([torch.rand((), generator=generators[i] or fallback).item() for i in rows],
+                        device=device, dtype=torch.float64)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     fallback: torch.Generator | None = None,
 ) -> list[int]:
-    """Next token per row of `logits` [B, V] (float32). Rows without a generator use `fallback`."""
-    tokens = logits.argmax(-1)
+    """Next token per row of `logits` [B, V]. Rows without a generator use `fallback`."""
+    tokens = sanitize(logits).argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        dev = logits.device
-        sel = [params[i] for i in rows]
-        temp = torch.tensor([p.temperature for p in sel], device=dev, dtype=logits.dtype)
-        x = logits[rows] / temp[:, None]
-        # Always draw in sorted order, so a row's token depends only on its own logits and uniform.
-        x, order = x.sort(dim=-1, descending=True, stable=True)
-        x = filter_sorted(
-            x,
-            torch.tensor([p.top_k for p in sel], device=dev),
-            torch.tensor([p.top_p for p in sel], device=dev, dtype=x.dtype),
-            torch.tensor([p.min_p for p in sel], device=dev, dtype=x.dtype),
-        )
-        u = torch.tensor(
-            [torch.rand((), generator=generators[i] or fallback).item() for i in rows],
-            device=dev, dtype=torch.float64,
-        )
-        picked = draw(x.softmax(-1).double(), u)
+        sp, order = sorted_probs(logits[rows], [params[i] for i in rows])
+        picked = draw(sp, uniforms(rows, generators, fallback, logits.device))
         tokens[rows] = order.gather(1, picked[:, None]).squeeze(1)
     return tokens.tolist()
 
 
+def sample_each(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    fallback: torch.Generator | None = None,
+) -> list[int | Exception]:
+    """`sample`, but a row whose sampling fails gets its exception instead of a token, and the
+    other rows are sampled as if it were not there (one bad request fails alone)."""
+    try:
+        return list(sample(logits, params, generators, fallback))
+    except Exception:  # find the failing rows; the others draw exactly what they would have
+        out: list[int | Exception] = []
+        for i in range(len(params)):
+            try:
+                out.append(sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1], fallback)[0])
+            except Exception as exc:  # noqa: BLE001 - reported on that request alone
+                out.append(exc)
+        return out
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
     """Logprob of each row's chosen token and its `num_top[i]` most likely alternatives."""
-    lp = logits.log_softmax(-1)
+    lp = torch.nan_to_num(logits.float(), nan=float("-inf")).log_softmax(-1)
     chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None]).squeeze(1).tolist()
     k = max(num_top)
     top_v, top_i = lp.topk(k, -1) if k else (None, None)

@@ -117,7 +117,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks: running sequences first, then waiting ones while room lasts.
+        """Pick this step's chunks, decode first: every running sequence that needs one token gets
+        it (preempting the newest under block pressure), then running prefills (chunked) and
+        waiting sequences share what is left of the token budget, oldest first. A long prompt
+        therefore never delays the streams already decoding by more than one budget's forward.
 
         Advances each scheduled sequence's `num_computed`, as the engine will run the chunk.
         """
@@ -125,22 +128,29 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0:  # decodes
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if n == 0:  # nothing new to run (the engine has not appended a token yet)
+            if seq.num_tokens - seq.num_computed != 1:
                 i += 1
                 continue
-            while not self.blocks.allocate(seq.request_id, seq.num_computed + n):
+            while not self.blocks.allocate(seq.request_id, seq.num_computed + 1):
                 victim = self.running.pop()  # the newest; sequences before i keep their chunks
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
                     break
             else:
+                chunks.append(self._chunk(seq, 1))
+                budget -= 1
+                i += 1
+        for seq in self.running:  # prefills under way (chunked) and recomputes; decodes are done
+            left = seq.num_tokens - seq.num_computed
+            if left < 2 or budget == 0:
+                continue
+            n = min(left, budget)
+            if self.blocks.allocate(seq.request_id, seq.num_computed + n):  # else: wait for blocks
                 chunks.append(self._chunk(seq, n))
                 budget -= n
-                i += 1
         # Admitting new work right after preempting would only thrash the cache.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -152,6 +162,12 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             budget -= n
         return SchedulerOutput(chunks, preempted)
+
+    def recompute_all(self) -> None:
+        """Forget every running sequence's cached K/V (keeping its blocks): the next steps run
+        its tokens again, e.g. with new weights."""
+        for seq in self.running:
+            seq.num_computed = 0
 
     @staticmethod
     def _chunk(seq: Sequence, n: int) -> ScheduledChunk:

@@ -105,15 +105,18 @@ def sse(payload: dict | str) -> bytes:
 
 
 def step_logprobs(out: RequestOutput) -> list[TokenLogprob]:
-    """Logprobs of the tokens this step added (the engine's list covers every token so far)."""
-    if not out.logprobs or not out.new_token_ids:
-        return []
-    return out.logprobs[len(out.logprobs) - len(out.new_token_ids):]
+    """Logprobs of the tokens this step added."""
+    return out.new_logprobs or []
 
 
 def _offsets(out: RequestOutput, lps: list[TokenLogprob] | None) -> list[int]:
     """Where this step's tokens start in the choice's text (the text released before the step)."""
-    return [len(out.text) - len(out.delta_text)] * len(lps or [])
+    return [out.text_offset] * len(lps or [])
+
+
+def request_error(out: RequestOutput) -> APIError:
+    """The error a choice that failed alone in the engine reports (the others go on)."""
+    return APIError(500, f"generation failed for this request: {out.error}", code="generation_error")
 
 
 def _choice(plan: Plan, index: int, text: str, lps: list[TokenLogprob] | None,
@@ -156,6 +159,9 @@ async def stream_body(plan: Plan, gen: Generation, names: TokenText,
                             weights_version)
         completion_tokens = 0
         async for i, out in gen:
+            if out.finish_reason == "error":
+                yield sse(request_error(out).body())
+                break
             completion_tokens += len(out.new_token_ids)
             lps = step_logprobs(out) if plan.logprobs else None
             if not (out.delta_text or lps or out.finished):
@@ -180,6 +186,8 @@ async def collect(plan: Plan, gen: Generation, names: TokenText) -> dict:
     offsets: list[list[int]] = [[] for _ in range(n)]
     try:
         async for i, out in gen:
+            if out.finish_reason == "error":
+                raise request_error(out)
             finals[i] = out
             if plan.logprobs:
                 step = step_logprobs(out)

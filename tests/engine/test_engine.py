@@ -124,10 +124,14 @@ def test_text_prompt_and_incremental_outputs(tiny, toy_tokenizer):
     outs = []
     while eng.has_unfinished():
         outs += eng.step()
-    assert outs[0].prompt_token_ids == toy_tokenizer.encode("abc")
+    assert outs[-1].prompt_token_ids == toy_tokenizer.encode("abc")
     assert [len(o.new_token_ids) for o in outs] == [1] * 5
     assert sum((o.new_token_ids for o in outs), []) == outs[-1].token_ids
     assert [o.finished for o in outs] == [False] * 4 + [True]
+    # Deltas only while running (no per-token copy of the history); the whole of it at the end.
+    assert all(o.token_ids is None and o.text is None for o in outs[:-1])
+    assert "".join(o.delta_text for o in outs) == outs[-1].text
+    assert [o.text_offset for o in outs] == [sum(len(p.delta_text) for p in outs[:i]) for i in range(5)]
 
 
 def test_blocks_freed_on_finish_and_abort(tiny):
@@ -239,3 +243,68 @@ def test_add_and_abort_from_another_thread(tiny):
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request("x", [3], params)
         eng.add_request("x", [3], params)
+
+
+def _decode_with_dense_cache(model_steps, prompt, n_before, n_after):
+    """Oracle for a weight swap mid-response: greedy with a DenseCache, the first `n_before`
+    tokens under model_steps[0], the rest under model_steps[1] reusing the cache as it is."""
+    from reclaim.models.cache import DenseCache
+
+    cache, ids, out = DenseCache(), list(prompt), []
+    x = torch.tensor([prompt])
+    for i in range(n_before + n_after):
+        model = model_steps[0] if i < n_before else model_steps[1]
+        pos = torch.arange(cache.length, cache.length + x.shape[1])[None]
+        with torch.no_grad():
+            logits = model(x, pos, cache).logits[0, -1]
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids.append(tok)
+        x = torch.tensor([[tok]])
+    return out
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_weight_swap_mid_response_reports_versions_and_follows_the_kv_policy(policy):
+    ours, _ = make_pair(seed=0)
+    other, _ = make_pair(seed=9)
+    eng = _engine(make_pair(seed=0)[0], kv_on_weight_update=policy)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    eng.add_request("r", PROMPTS[2], params)
+    outs = []
+    while len(outs) < 4:
+        outs += eng.step()
+    eng.update_weights(other.state_dict())
+    while eng.has_unfinished():
+        outs += eng.step()
+    final = outs[-1]
+    assert [o.weights_version for o in outs] == [0] * 4 + [1] * 6
+    assert final.first_weights_version == 0 and final.weights_version == 1
+    head = final.token_ids[:4]
+    if policy == "recompute":  # the rest is what the new weights say after prompt + head, from scratch
+        want = _engine(other).generate([PROMPTS[2] + head], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert final.token_ids[4:] == want[0].token_ids
+    else:  # the old K/V stays: new weights attend to it (the documented, cheaper policy)
+        assert final.token_ids == _decode_with_dense_cache((ours, other), PROMPTS[2], 4, 6)
+
+
+def test_a_request_whose_sampling_fails_fails_alone(tiny):
+    """Ten innocent requests share every step with one whose sampling raises; they finish exactly
+    as they would alone, and the bad one ends with finish_reason 'error'."""
+    ours, _ = tiny
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=8, ignore_eos=True) for i in range(10)]
+    prompts = [PROMPTS[i % 4] for i in range(10)]
+    alone = _engine(ours).generate(prompts, params)
+    eng = _engine(ours)
+    bad = SamplingParams(temperature=0.9, max_tokens=8)
+    bad.top_k = 2**63  # past validation, as an unchecked caller could
+    eng.add_request("bad", PROMPTS[0], bad)
+    ids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert final["bad"].finish_reason == "error" and "Overflow" in final["bad"].error
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in alone]
+    assert eng.stats()["num_request_errors"] == 1 and eng.blocks.num_free == 64

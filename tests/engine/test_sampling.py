@@ -75,3 +75,30 @@ def test_logprobs_are_log_softmax_with_top_alternatives():
         assert lp.token_id == tok and lp.logprob == pytest.approx(ref[row, tok].item(), abs=1e-6)
         assert [t for t, _ in lp.top] == ref[row].topk(k).indices.tolist() if k else lp.top == []
         assert all(v == pytest.approx(ref[row, t].item(), abs=1e-6) for t, v in lp.top)
+
+
+def test_tiny_temperatures_are_greedy():
+    x = _logits(4, seed=5)
+    for t in (1e-40, 1e-39, 1e-20, 1e-6):
+        p = SamplingParams(temperature=t)
+        assert p.greedy and sample(x, [p] * 4, [None] * 4) == x.argmax(-1).tolist()
+
+
+def test_out_of_range_params_are_refused_naming_the_field():
+    for kw, name in [({"top_k": 2**63}, "top_k"), ({"temperature": float("nan")}, "temperature"),
+                     ({"temperature": 1e9}, "temperature"), ({"max_tokens": 2**40}, "max_tokens"),
+                     ({"stop": ["x"] * 1000}, "stop"), ({"seed": 2**64}, "seed")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kw)
+
+
+def test_one_failing_row_fails_alone():
+    from reclaim.engine.sampling import sample_each
+
+    x = _logits(3, seed=2)
+    good = SamplingParams(temperature=0.8, seed=11)
+    bad = SamplingParams(temperature=0.8)
+    bad.top_k = 2**63  # past validation: what an unchecked caller could hand the sampler
+    alone = [sample(x[i:i + 1], [good], [make_generator(11)])[0] for i in (0, 2)]
+    out = sample_each(x, [good, bad, good], [make_generator(11), None, make_generator(11)])
+    assert isinstance(out[1], Exception) and [out[0], out[2]] == alone

@@ -92,3 +92,32 @@ def test_prompt_too_long_is_rejected_at_add():
 def test_max_model_len_beyond_cache_is_rejected():
     with pytest.raises(ValueError, match="max_model_len=32 exceeds the cache's 16 tokens"):
         Scheduler(BlockManager(4, 4), max_model_len=32)
+
+
+def test_decode_first_a_long_prompt_never_holds_back_running_decodes():
+    """Running decodes are scheduled every step; a long prompt fills only what is left of the budget."""
+    bm = BlockManager(256, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=512)
+    short, long = _seq("short", 3), _seq("long", 200)
+    sched.add(short)
+    out = sched.schedule()  # short's prefill
+    short.token_ids.append(0)
+    sched.add(long)
+    for _ in range(10):
+        out = sched.schedule()
+        ids = {c.request_id: c for c in out.chunks}
+        assert ids["short"].num_tokens == 1  # its decode runs every step
+        assert out.num_tokens <= 16 and ids["long"].num_tokens == 15  # the prefill takes the rest
+        short.token_ids.append(0)
+
+
+def test_recompute_all_reruns_every_cached_token():
+    bm = BlockManager(32, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s = _seq("a", 5)
+    sched.add(s)
+    sched.schedule()
+    s.token_ids.append(7)
+    sched.recompute_all()
+    out = sched.schedule()
+    assert [(c.start, c.num_tokens, c.sample) for c in out.chunks] == [(0, 6, True)]
