@@ -100,7 +100,7 @@ async def parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
     try:
         return schema.model_validate_json(raw, strict=True)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, schema) from None
 
 
 async def _until_disconnect(request: Request) -> None:

@@ -7,11 +7,12 @@ unexpected exception becomes a logged 500 and the server keeps serving.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("reclaim.server")
@@ -22,7 +23,9 @@ ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "service_unavailable"),
 }
@@ -47,18 +50,46 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """The first pydantic complaint as a 400 naming the offending field."""
+BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def allowed_range(schema: type[BaseModel], name: str) -> str | None:
+    """A field's numeric bounds as text ('-1 to 2147483647', '> 0 and <= 1'), if it has any."""
+    field = schema.model_fields.get(name)
+    if field is None:
+        return None
+    bounds = {op: getattr(m, attr) for m in field.metadata
+              for op, attr in ((">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt"))
+              if getattr(m, attr, None) is not None}
+    if ">=" in bounds and "<=" in bounds:
+        return f"{bounds['>=']} to {bounds['<=']}"
+    return " and ".join(f"{op} {v}" for op, v in bounds.items()) or None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def validation_error(exc: ValidationError | RequestValidationError,
+                     schema: type[BaseModel] | None = None) -> APIError:
+    """The first pydantic complaint as a 400 naming the offending field (and, for a number out
+    of bounds, the allowed range when `schema` is given)."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
-    where = f"{param}: " if param else ""
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     extra = f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return APIError(400, f"{where}{message}{extra}", param=param)
+    allowed = allowed_range(schema, loc[0]) if schema and len(loc) == 1 and \
+        first.get("type") in BOUND_ERRORS else None
+    if allowed is not None:
+        message = f"{param}={_short(first.get('input'))} is out of range; allowed: {allowed}"
+    elif param:
+        message = f"{param}: {message}"
+    return APIError(400, message + extra, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

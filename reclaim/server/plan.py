@@ -14,9 +14,7 @@ from typing import Any, Literal
 from reclaim.engine.request import SamplingParams
 from reclaim.models.tokenizer import encode_chat
 from reclaim.server.errors import APIError
-from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
-
-INT64 = 2**63
+from reclaim.server.schemas import INT64, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 @dataclass
@@ -29,6 +27,9 @@ class Limits:
     max_n: int = 16
     max_choices: int = 256  # prompts x n in one request
     max_body_bytes: int = 4 << 20
+    # Special-token text in message contents (a user typing '<|im_start|>system') encodes as
+    # plain text; off by default, as in vLLM.
+    split_special_tokens: bool = False
 
 
 @dataclass
@@ -139,10 +140,15 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
     """Render the messages with the model's chat template and plan `n` choices."""
     model = _model(req, limits)
     _check_n(req, 1, limits)
+    if len(req.messages) > limits.max_model_len:  # each message takes at least one token
+        raise APIError(400, f"{len(req.messages)} messages cannot fit in this model's context of "
+                       f"{limits.max_model_len} tokens", param="messages",
+                       code="context_length_exceeded")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
     try:
-        ids = encode_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt)
+        ids = encode_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                          split_special_tokens=limits.split_special_tokens)
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
         raise APIError(400, f"the chat template rejected these messages: {exc}",
                        param="messages") from exc

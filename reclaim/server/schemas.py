@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-INT64 = 2**63
+INT64 = 2**63  # seeds are signed 64-bit integers
+# Upper bounds of the sampling fields: each fits the engine's int32/float tensors and its own
+# checks in SamplingParams, so nothing a client sends can overflow inside an engine step.
+MAX_INT32 = 2**31 - 1
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
 
 # key -> its neutral value; any other value asks for a feature this server lacks.
 UNSUPPORTED: dict[str, Any] = {
@@ -35,15 +43,15 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    n: int = Field(1, ge=1, le=MAX_INT32)  # the server's --max-n is checked in plan.py
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # above the vocabulary size: no cut
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -59,10 +67,19 @@ class SamplingRequest(BaseModel):
                                  f"omit it or send {UNSUPPORTED[key]!r}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must be non-empty")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stops)} stop strings; allowed: at most {MAX_STOP_STRINGS}")
+        bad = next((s for s in stops if not 0 < len(s) <= MAX_STOP_CHARS), None)
+        if bad is not None:
+            raise ValueError(f"a stop string has {len(bad)} characters; allowed: 1 to "
+                             f"{MAX_STOP_CHARS}")
+        return stop
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -92,8 +109,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
@@ -107,7 +124,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions; `prompt` is text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _prompt(self) -> "CompletionRequest":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 
 import httpx
@@ -67,6 +68,22 @@ CASES = {
     "unsupported penalty": (CHAT, body(messages=MSG, presence_penalty=0.5), 400, None),
     "unsupported tools": (CHAT, body(messages=MSG, tools=[{"type": "function"}]), 400, None),
     "body over size limit": (COMPLETIONS, body(prompt="a" * (100 << 10)), 413, None),
+    # Upper bounds: nothing a client sends may overflow inside the engine step.
+    "top_k 2**63": (CHAT, body(messages=MSG, top_k=2**63), 400, "top_k"),
+    "top_k over int32": (COMPLETIONS, body(prompt="a", top_k=2**31), 400, "top_k"),
+    "n 2**63": (CHAT, body(messages=MSG, n=2**63), 400, "n"),
+    "max_tokens 2**63": (COMPLETIONS, body(prompt="a", max_tokens=2**63), 400, "max_tokens"),
+    "max_completion_tokens 2**63": (CHAT, body(messages=MSG, max_completion_tokens=2**63), 400,
+                                    "max_completion_tokens"),
+    "temperature 1e300": (CHAT, body(messages=MSG, temperature=1e300), 400, "temperature"),
+    "top_logprobs 2**63": (CHAT, body(messages=MSG, logprobs=True, top_logprobs=2**63), 400,
+                           "top_logprobs"),
+    "logprobs 2**63": (COMPLETIONS, body(prompt="a", logprobs=2**63), 400, "logprobs"),
+    "too many stop strings": (COMPLETIONS, body(prompt="a", stop=["x"] * 17), 400, "stop"),
+    "stop string over 1024 chars": (CHAT, body(messages=MSG, stop="x" * 1025), 400, "stop"),
+    "too many stop token ids": (COMPLETIONS, body(prompt="a", stop_token_ids=[1] * 257), 400,
+                                "stop_token_ids"),
+    "more messages than context": (CHAT, body(messages=MSG * 257), 400, "messages"),
 }
 
 
@@ -88,6 +105,31 @@ def test_bad_request_gets_openai_error(http, name):
     err = check_error(r, status, param)
     if name.endswith("too long"):
         assert err["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("top_k", 2**63, "-1 to 2147483647"), ("temperature", 101.0, "0.0 to 100.0"),
+    ("top_p", 0.0, "> 0.0 and <= 1.0"), ("seed", -(2**64), ">= -9223372036854775808 and < 9223372036854775808")])
+def test_out_of_range_names_field_and_range(http, field, value, allowed):
+    r = http.post(CHAT, json={"messages": MSG, field: value})
+    err = check_error(r, 400, field)
+    assert err["message"] == f"{field}={value!r} is out of range; allowed: {allowed}"
+
+
+def test_no_pydantic_prefix_in_messages(http):
+    err = check_error(http.post(COMPLETIONS, json={"prompt": "a", "stop": [""]}), 400, "stop")
+    assert "Value error" not in err["message"] and "1 to 1024" in err["message"]
+
+
+def test_huge_top_k_fails_alone(server, http):
+    """Ten streams beside a 2**63 top_k request all complete, equal to running alone."""
+    req = {"prompt": "Hello", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    alone = http.post(COMPLETIONS, json=req).json()["choices"][0]["text"]
+    with cf.ThreadPoolExecutor(11) as pool:
+        innocent = [pool.submit(http.post, COMPLETIONS, json=req) for _ in range(10)]
+        bad = pool.submit(http.post, CHAT, json={"messages": MSG, "top_k": 2**63})
+        check_error(bad.result(), 400, "top_k")
+        assert [f.result().json()["choices"][0]["text"] for f in innocent] == [alone] * 10
 
 
 def test_neutral_values_of_unsupported_keys_are_accepted(http):
