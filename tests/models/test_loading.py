@@ -17,13 +17,13 @@ from reclaim.models.loading import (
     INDEX_NAME,
     WEIGHTS_NAME,
     build_once,
-    cache_root,
     default_gguf,
     load_checkpoint,
     load_model,
     parse_size,
     save_model,
 )
+from reclaim.paths import cache_root
 
 
 def _logits(model, ids):
