@@ -98,25 +98,49 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: str = typer.Option(None, "--api-key", envvar="RECLAIM_API_KEY",
-                                help="Require 'Authorization: Bearer KEY' on every route but /health."),
+                                help="Require 'Authorization: Bearer KEY' on every route but /health. "
+                                     "Prefer the RECLAIM_API_KEY variable: an option shows in `ps`."),
     served_model_name: str = typer.Option(None, help="Model name clients send (default: MODEL)."),
     max_num_seqs: int = typer.Option(64, help="Most sequences in the running batch."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Most tokens per engine step (decodes first, "
+                                               "then prefill chunks in what is left)."),
     max_model_len: int = typer.Option(None, help="Context length (default: the model's)."),
     num_blocks: int = typer.Option(None, help="KV-cache blocks (default: sized by the engine)."),
     block_size: int = typer.Option(16, help="Tokens per KV-cache block."),
     device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda."),
-    shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get after SIGTERM."),
+    shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get after SIGTERM; "
+                                           "then streams end with finish_reason 'abort'."),
+    limit_concurrency: int = typer.Option(1024, help="Most open connections; more get 503 + Retry-After."),
+    header_timeout: float = typer.Option(10.0, help="Seconds a client has to send a request's headers."),
+    body_timeout: float = typer.Option(30.0, help="Seconds a client has to send a request's body."),
+    timeout_keep_alive: float = typer.Option(5.0, help="Idle seconds before a keep-alive connection closes."),
+    allowed_origins: list[str] = typer.Option(None, "--allowed-origins",
+                                              help="Web origins allowed to call the API from a browser "
+                                                   "(CORS), comma-separated or repeated; none by default."),
+    split_special_tokens: bool = typer.Option(False, "--split-special-tokens",
+                                              help="Encode special-token text in chat messages (e.g. "
+                                                   "'<|im_start|>') as plain text; off by default, as vLLM."),
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)."""
+    from reclaim.server.connections import ConnectionLimits
     from reclaim.server.serve import EngineArgs
     from reclaim.server.serve import serve as run_server
 
-    args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      num_blocks=num_blocks, block_size=block_size, device=device)
+    try:
+        args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          num_blocks=num_blocks, block_size=block_size, device=device,
+                          max_num_batched_tokens=max_num_batched_tokens)
+        connections = ConnectionLimits(max_connections=limit_concurrency, header_timeout=header_timeout,
+                                       body_timeout=body_timeout, keep_alive=timeout_keep_alive)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    origins = tuple(o.strip() for arg in allowed_origins or [] for o in arg.split(",") if o.strip())
     raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key,
                                 served_model_name=served_model_name, engine_args=args,
-                                shutdown_timeout=shutdown_timeout, log_level=log_level))
+                                shutdown_timeout=shutdown_timeout, log_level=log_level,
+                                connections=connections, allowed_origins=origins,
+                                split_special_tokens=split_special_tokens))
 
 
 # ---- ssm: ssm-train (owner: ssm) ----

@@ -2,20 +2,28 @@
 
 The gate (a plain ASGI middleware, so streams pass through untouched) checks the API key, turns
 requests away with 503 while the server drains for shutdown, and counts responses by status.
+JSON validation, chat templating and tokenizing run in a small thread pool, never on the event
+loop, so one huge body cannot stall `/health` or other streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from reclaim.server.errors import APIError, install_error_handlers, validation_error
 from reclaim.server.metrics import CONTENT_TYPE
@@ -27,6 +35,11 @@ from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 OPEN_ROUTES = ("/health",)  # reachable without the API key
 DRAIN_EXEMPT = ("/metrics",)  # still answered while draining
+# Threads that validate, template and tokenize requests: a few, so a burst of huge bodies
+# queues there instead of taking the GIL from the event loop all at once.
+PREP_THREADS = min(4, os.cpu_count() or 1)
+
+log = logging.getLogger("reclaim.server")
 
 
 @dataclass
@@ -69,12 +82,31 @@ class Gate:
         path = scope["path"]
         key = self.state.api_key
         if key is not None and path not in OPEN_ROUTES:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + key.encode()):
+            given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+            if not hmac.compare_digest(given, key.encode()):
                 return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'")
         if self.state.draining and path not in DRAIN_EXEMPT:
             return APIError(503, "the server is shutting down and admits no new requests")
         return None
+
+
+def bearer_token(authorization: bytes) -> bytes:
+    """The token of an `Authorization: Bearer <token>` header (the scheme is case-insensitive,
+    RFC 7235); empty for any other scheme."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
+
+
+def check_json(request: Request) -> None:
+    """Refuse (415) a body that is not declared JSON: a web page can POST text/plain to a
+    loopback server without a CORS preflight, but not application/json."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        raise APIError(415, "the request has no Content-Type; send 'Content-Type: "
+                       "application/json'")
+    if declared.split(";")[0].strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type {declared[:100]!r} is not supported; allowed: "
+                       f"application/json")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -86,17 +118,23 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise APIError(413, f"the body is {declared} bytes; allowed: at most {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the body is over {limit} bytes; allowed: at most {limit}")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the body is over {limit} bytes; allowed: at most {limit}")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client's business, not a server error: one line, no traceback
+        client = request.client
+        log.info("client %s left after %d bytes of its %s %s body",
+                 f"{client.host}:{client.port}" if client else "?", size, request.method,
+                 request.url.path)
+        raise APIError(499, "the client closed the connection before sending the whole body")
     return b"".join(chunks)
 
 
-async def parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
+def parse(raw: bytes, schema: type[BaseModel]) -> Any:
     """Validate the JSON body against `schema`; any problem is a 400 naming the field."""
-    raw = await read_body(request, limit)
     try:
         return schema.model_validate_json(raw, strict=True)
     except ValidationError as exc:
@@ -134,27 +172,48 @@ class EventStream(StreamingResponse):
 
 
 def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
-               state: ServerState | None = None) -> FastAPI:
-    """The server app around a (not yet started) runner; the lifespan starts and stops it."""
+               state: ServerState | None = None, *,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The server app around a (not yet started) runner; the lifespan starts and stops it.
+
+    allowed_origins: web origins that may call the API from a browser (CORS); none by default.
+    """
     state = state or ServerState()
     names = TokenText(tokenizer)
     metrics = runner.metrics
     created = int(time.time())
+    prep: ThreadPoolExecutor | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        nonlocal prep
+        prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="reclaim-prep")
         runner.start()
         try:
             yield
         finally:
             state.draining = True
             await runner.stop()
+            prep.shutdown(wait=False, cancel_futures=True)
+
+    def plan_body(raw: bytes, schema: type[BaseModel], planner: Callable) -> Plan:
+        return planner(parse(raw, schema), tokenizer, limits)  # in a prep thread
+
+    async def prepare(request: Request, schema: type[BaseModel], planner: Callable) -> Plan:
+        """Read the body on the loop; validate, template and tokenize it in a prep thread."""
+        check_json(request)
+        raw = await read_body(request, limits.max_body_bytes)
+        return await asyncio.get_running_loop().run_in_executor(prep, plan_body, raw, schema,
+                                                                planner)
 
     app = FastAPI(title="reclaim", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(Gate, state=state, runner=runner)
+    if allowed_origins:  # outside the gate, so a preflight needs no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
 
     async def run(request: Request, plan: Plan):
         try:
@@ -178,13 +237,11 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await parse(request, ChatCompletionRequest, limits.max_body_bytes)
-        return await run(request, plan_chat(req, tokenizer, limits))
+        return await run(request, await prepare(request, ChatCompletionRequest, plan_chat))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await parse(request, CompletionRequest, limits.max_body_bytes)
-        return await run(request, plan_completion(req, tokenizer, limits))
+        return await run(request, await prepare(request, CompletionRequest, plan_completion))
 
     @app.get("/v1/models")
     async def models():

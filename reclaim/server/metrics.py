@@ -43,6 +43,10 @@ class Counter:
     def inc(self, amount: float = 1.0, labels: tuple[str, ...] = ()) -> None:
         self.values[labels] += amount
 
+    def set_total(self, value: float) -> None:
+        """Mirror a total that another part counts itself (e.g. the engine's preemptions)."""
+        self.values[()] = float(value)
+
     def samples(self) -> list[str]:
         values = self.values or ({(): 0.0} if not self.label_names else {})
         return [f"{self.name}{_labels(self.label_names, k)} {_num(v)}" for k, v in values.items()]
@@ -91,6 +95,13 @@ class ServerMetrics:
         self.requests_finished = Counter("reclaim_requests_finished_total",
                                          "Generation requests finished, by finish reason.",
                                          ("finish_reason",))
+        self.connections_closed = Counter(
+            "reclaim_connections_closed_total",
+            "Connections the server closed or refused: over_limit (503), header_timeout, "
+            "body_timeout.", ("reason",))
+        self.preemptions = Counter("reclaim_num_preemptions_total",
+                                   "Sequences preempted (blocks freed, recomputed later) when "
+                                   "the KV cache ran out.")
         self.prompt_tokens = Counter("reclaim_prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = Counter("reclaim_generation_tokens_total",
                                          "Tokens generated.")

@@ -7,7 +7,9 @@ the process exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
 import signal
 import socket
 import threading
@@ -19,6 +21,7 @@ from typing import Any
 import uvicorn
 
 from reclaim.server.app import ServerState, create_app
+from reclaim.server.connections import ConnectionLimits, guarded_protocol, quiet_accept_errors
 from reclaim.server.metrics import ServerMetrics
 from reclaim.server.plan import Limits
 from reclaim.server.runner import EngineRunner
@@ -35,10 +38,12 @@ class EngineArgs:
     num_blocks: int | None = None
     block_size: int = 16
     device: str = "cpu"
+    max_num_batched_tokens: int = 2048  # tokens per engine step; bounds a prefill chunk
 
 
 def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_args: EngineArgs,
-              *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20):
+              *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20,
+              split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = ()):
     """The FastAPI app serving `model`; returns (app, runner, state)."""
     from reclaim.engine.engine import Engine
 
@@ -46,15 +51,45 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_a
         raise ValueError("the server needs a tokenizer; the model directory has no tokenizer files")
     engine = Engine(model, tokenizer, num_blocks=engine_args.num_blocks,
                     block_size=engine_args.block_size, max_num_seqs=engine_args.max_num_seqs,
-                    max_model_len=engine_args.max_model_len, device=engine_args.device)
+                    max_model_len=engine_args.max_model_len, device=engine_args.device,
+                    max_num_batched_tokens=engine_args.max_num_batched_tokens)
     runner = EngineRunner(engine, ServerMetrics())
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
-                    vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes)
+                    vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes,
+                    split_special_tokens=split_special_tokens)
     state = ServerState(api_key=api_key)
-    return create_app(runner, tokenizer, limits, state), runner, state
+    app = create_app(runner, tokenizer, limits, state, allowed_origins=allowed_origins)
+    return app, runner, state
 
 
-class DrainingServer(uvicorn.Server):
+def uvicorn_config(app: Any, connections: ConnectionLimits, metrics: ServerMetrics | None,
+                   **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's config with the connection cap and the header/body/keep-alive deadlines."""
+    return uvicorn.Config(app, http=guarded_protocol(connections, metrics),
+                          timeout_keep_alive=connections.keep_alive, access_log=False, **kwargs)
+
+
+def raise_file_limit(connections: ConnectionLimits) -> None:
+    """Lift the soft descriptor limit to fit the connection cap (a client and a server side)."""
+    want = connections.max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < want:
+            log.warning("the file limit (%d) is below --limit-concurrency %d + 256; accepts may "
+                        "fail under load", new, connections.max_connections)
+
+
+class Server(uvicorn.Server):
+    """uvicorn whose event loop logs accept failures (out of descriptors) at most every 10 s."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
+        await super().startup(sockets)
+
+
+class DrainingServer(Server):
     """uvicorn that marks the app as draining on a signal and exits 0 after a SIGTERM."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
@@ -74,7 +109,8 @@ class DrainingServer(uvicorn.Server):
 def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
           engine_args: EngineArgs | None = None, shutdown_timeout: float = 30.0,
-          log_level: str = "info") -> int:
+          log_level: str = "info", connections: ConnectionLimits | None = None,
+          allowed_origins: tuple[str, ...] = (), split_special_tokens: bool = False) -> int:
     """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT."""
     from reclaim.models.loading import load_model, resolve_model_dir
 
@@ -85,10 +121,13 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     names = (served_model_name or (model if model else Path(path).name),)
     if model is None:
         names += ("default",)
-    app, _, state = build_app(weights, tokenizer, names, engine_args or EngineArgs(),
-                              api_key=api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout, access_log=False)
+    app, runner, state = build_app(weights, tokenizer, names, engine_args or EngineArgs(),
+                                   api_key=api_key, allowed_origins=allowed_origins,
+                                   split_special_tokens=split_special_tokens)
+    connections = connections or ConnectionLimits()
+    raise_file_limit(connections)
+    config = uvicorn_config(app, connections, runner.metrics, host=host, port=port,
+                            log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
     server = DrainingServer(config, state)
     log.info("serving %s on http://%s:%d (names %s)", path, host, port, list(names))
     server.run()
@@ -98,15 +137,17 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
 class BackgroundServer:
     """uvicorn serving `app` from a daemon thread on a free loopback port (tests, benchmarks)."""
 
-    def __init__(self, app: Any, *, log_level: str = "warning", start_timeout: float = 60.0) -> None:
+    def __init__(self, app: Any, *, log_level: str = "warning", start_timeout: float = 60.0,
+                 connections: ConnectionLimits | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
-                                access_log=False)
-        self.server = uvicorn.Server(config)
+        config = uvicorn_config(app, connections or ConnectionLimits(), metrics,
+                                log_level=log_level, timeout_graceful_shutdown=5)
+        self.server = Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)
         self.thread.start()

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
+from reclaim.server.connections import ConnectionLimits
 from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
 
 MODEL_NAME = "tiny-llama"
@@ -74,8 +75,8 @@ class LiveServer(BackgroundServer):
     model: LlamaForCausalLM
     tokenizer: PreTrainedTokenizerFast
 
-    def __init__(self, app, runner, state) -> None:
-        super().__init__(app)
+    def __init__(self, app, runner, state, connections: ConnectionLimits | None = None) -> None:
+        super().__init__(app, connections=connections, metrics=runner.metrics)
         self.runner, self.state = runner, state
 
     def stats(self) -> dict:
@@ -99,13 +100,15 @@ class LiveServer(BackgroundServer):
 
 
 def start_server(api_key: str | None = None, max_num_seqs: int = 16, num_blocks: int = 256,
-                 max_model_len: int = 256) -> LiveServer:
+                 max_model_len: int = 256, max_body_bytes: int = 64 << 10,
+                 connections: ConnectionLimits | None = None, **app_options) -> LiveServer:
+    """A live server; `app_options` go to build_app (split_special_tokens, allowed_origins)."""
     tokenizer = make_tokenizer()
     model = make_model(tokenizer, max_position_embeddings=max_model_len)
     args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       num_blocks=num_blocks, block_size=16)
     app, runner, state = build_app(model, tokenizer, (MODEL_NAME,), args, api_key=api_key,
-                                   max_n=4, max_body_bytes=64 << 10)
-    live = LiveServer(app, runner, state)
+                                   max_n=4, max_body_bytes=max_body_bytes, **app_options)
+    live = LiveServer(app, runner, state, connections)
     live.model, live.tokenizer = model, tokenizer
     return live

@@ -45,3 +45,17 @@ def test_openai_client_with_and_without_key(keyed):
     bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL_NAME, prompt="a", max_tokens=2)
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_bearer_scheme_is_case_insensitive(keyed, scheme):
+    r = httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("value,status", [(f"Bearer  {KEY}", 200), (f"Bearer {KEY}x", 401),
+                                          (f"Bearer{KEY}", 401), ("Bearer", 401),
+                                          (f"Token {KEY}", 401), (f"Bearer {KEY[:-1]}", 401)])
+def test_only_the_key_passes(keyed, value, status):
+    r = httpx.get(keyed.url + "/v1/models", headers={"Authorization": value})
+    assert r.status_code == status, value

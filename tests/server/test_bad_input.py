@@ -12,6 +12,7 @@ from live_server import MODEL_NAME
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
+JSON = {"Content-Type": "application/json"}
 
 
 def body(**fields) -> bytes:
@@ -101,7 +102,7 @@ def check_error(r: httpx.Response, status: int, param: str | None = None) -> dic
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_request_gets_openai_error(http, name):
     route, raw, status, param = CASES[name]
-    r = http.post(route, content=raw, headers={"Content-Type": "application/json"})
+    r = http.post(route, content=raw, headers=JSON)
     err = check_error(r, status, param)
     if name.endswith("too long"):
         assert err["code"] == "context_length_exceeded"
@@ -147,7 +148,7 @@ def test_unknown_route_and_method(http):
 def test_server_healthy_and_idle_after_bad_input(server, http):
     for name in CASES:
         route, raw, status, _ = CASES[name]
-        assert http.post(route, content=raw).status_code == status
+        assert http.post(route, content=raw, headers=JSON).status_code == status
     assert server.healthy()
     assert server.wait_idle()["kv_blocks_used"] == 0
     ok = http.post(CHAT, json={"messages": MSG, "max_tokens": 3})

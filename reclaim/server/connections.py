@@ -1,0 +1,175 @@
+"""Connection limits: a cap on open connections and deadlines for a request's headers and body.
+
+uvicorn's keep-alive timeout starts only after a response, so a connection that never finishes
+its first request's headers stays open forever, and h11 bounds sizes, not time. This subclass of
+uvicorn's h11 protocol arms one deadline per phase: the headers must arrive within
+`header_timeout` of the connection opening (or of the previous response ending), then the body
+within `body_timeout`; no deadline runs while the app answers. Connections over the cap get a
+503 with Retry-After. Malformed HTTP gets an OpenAI-style JSON 400 instead of plain text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from reclaim.server.errors import APIError
+from reclaim.server.metrics import ServerMetrics
+
+log = logging.getLogger("reclaim.server")
+
+ACCEPT_ERROR = "socket.accept() out of system resource"
+
+
+@dataclass
+class ConnectionLimits:
+    """How many connections the server holds and how long a client may take to send a request."""
+
+    max_connections: int = 1024  # open connections; over it, requests get 503 + Retry-After
+    header_timeout: float = 10.0  # seconds from connect (or the last response) to the headers
+    body_timeout: float = 30.0  # seconds from the headers to the end of the body
+    keep_alive: float = 5.0  # idle seconds between requests on one connection
+    retry_after: int = 1  # seconds a 503 asks the client to wait
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} is invalid; allowed: a number > 0")
+
+
+def _json_response(status: int, reason: bytes, error: APIError,
+                   extra: list[tuple[bytes, bytes]] = ()) -> tuple[h11.Response, bytes]:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close"), *extra]
+    return h11.Response(status_code=status, headers=headers, reason=reason), body
+
+
+def _busy_app(limits: ConnectionLimits) -> Any:
+    """The ASGI app a connection over the cap gets: 503, Retry-After, close."""
+    error = APIError(503, f"the server holds {limits.max_connections} connections, its limit "
+                     f"(--limit-concurrency); retry after {limits.retry_after} s")
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", str(limits.retry_after).encode()), (b"connection", b"close")]
+
+    async def busy(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return busy
+
+
+def guarded_protocol(limits: ConnectionLimits,
+                     metrics: ServerMetrics | None = None) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with `limits` applied (pass it as `Config(http=...)`)."""
+    busy = _busy_app(limits)
+
+    def count(reason: str) -> None:
+        if metrics is not None:
+            metrics.connections_closed.inc(1, (reason,))
+
+    class GuardedH11Protocol(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+        _phase: str | None = None
+        over_cap = False
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.over_cap = len(self.connections) > limits.max_connections
+            if self.over_cap:
+                self.app = busy
+                count("over_limit")
+            self._watch()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._arm(None)
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()
+
+        def _watch(self) -> None:
+            """Arm the deadline of the phase the request is in: headers, body, or none."""
+            if self.transport.is_closing():
+                return self._arm(None)
+            state = self.conn.their_state
+            self._arm("header" if state is h11.IDLE else "body" if state is h11.SEND_BODY
+                      else None)
+
+        def _arm(self, phase: str | None) -> None:
+            if phase == self._phase:
+                return  # the deadline runs from the phase's start: trickled bytes don't reset it
+            if self._timer is not None:
+                self._timer.cancel()
+            self._phase, self._timer = phase, None
+            if phase is not None:
+                timeout = limits.header_timeout if phase == "header" else limits.body_timeout
+                if self.over_cap:  # it only gets a 503; don't let it hold a descriptor long
+                    timeout = min(timeout, 1.0)
+                self._timer = self.loop.call_later(timeout, self._expire, phase, timeout)
+
+        def _expire(self, phase: str, timeout: float) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            count(f"{phase}_timeout")
+            log.debug("closing %s: no complete request %s within %.1f s", self.client, phase,
+                      timeout)
+            if phase == "header" and self.conn.our_state is h11.IDLE:
+                error = APIError(408, f"the request headers did not arrive within {timeout:g} s")
+                self._send(*_json_response(408, b"Request Timeout", error))
+            self.transport.close()
+
+        def _send(self, response: h11.Response, body: bytes) -> None:
+            try:
+                for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:
+                pass  # h11 cannot answer in this state; closing is all that is left
+
+        def send_400_response(self, msg: str) -> None:
+            if self.conn.our_state is h11.IDLE:
+                error = APIError(400, "malformed HTTP request; this server speaks HTTP/1.1")
+                self._send(*_json_response(400, b"Bad Request", error))
+            self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 10.0) -> None:
+    """Log 'socket.accept() out of system resource' at most once per `every_s` seconds (with how
+    many were left out); asyncio would log it, with a traceback, on every failed accept."""
+    previous = loop.get_exception_handler()
+    last, left_out = -math.inf, 0
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        nonlocal last, left_out
+        if context.get("message") != ACCEPT_ERROR:
+            if previous is not None:
+                return previous(loop, context)
+            return loop.default_exception_handler(context)
+        now = time.monotonic()
+        if now - last < every_s:
+            left_out += 1
+            return
+        log.error("cannot accept connections: %s (%d more in the last %g s); raise the file "
+                  "limit (ulimit -n) or lower --limit-concurrency", context.get("exception"),
+                  left_out, every_s)
+        last, left_out = now, 0
+
+    loop.set_exception_handler(handler)
