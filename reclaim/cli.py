@@ -199,19 +199,35 @@ def bench_ssm(
 @bench_app.command("engine")
 def bench_engine(
     model: str = typer.Argument(None, help="HF model directory; omitted: the bundled SmolLM2."),
-    batch_sizes: str = typer.Option("1,16", help="Comma-separated batch sizes."),
-    max_tokens: int = typer.Option(192, help="Most tokens per prompt (greedy, stops at EOS)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate max_tokens."),
-    repeats: int = typer.Option(2, help="Alternating runs per side; the best counts."),
+    workloads: str = typer.Option("batch1,static,sharegpt",
+                                  help="Comma-separated: batch1 (each prompt alone), static (one batch), "
+                                       "sharegpt (continuous vs static batching)."),
+    heads: str = typer.Option("linear,auto", help="reclaim's LM-head kernels: linear (F.linear, as "
+                                                  "transformers), auto (oneDNN on CPU)."),
+    batch1_prompts: int = typer.Option(8, help="Prompts run one at a time for static batch 1."),
+    static_batch: int = typer.Option(16, help="Batch size of the static point."),
+    max_tokens: int = typer.Option(64, help="Static points: most tokens per prompt (greedy, stops at EOS)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Static points: always generate max_tokens."),
+    repeats: int = typer.Option(2, help="Static points: alternating runs per side (median, min/max)."),
+    requests: int = typer.Option(128, help="ShareGPT-shaped requests."),
+    slots: int = typer.Option(16, help="Most requests at once: reclaim's max_num_seqs, transformers' batch."),
+    scale: float = typer.Option(0.2, help="Multiplies ShareGPT's median prompt and output lengths."),
+    sharegpt_file: str = typer.Option(None, "--sharegpt-file", help="A ShareGPT JSON: its lengths, not synthetic."),
+    seed: int = typer.Option(0, help="Seed of the synthetic lengths and messages."),
     threads: int = typer.Option(None, help="torch threads (default: torch's)."),
     out_dir: str = typer.Option("benchmarks", help="Where engine.json and engine.png go."),
 ) -> None:
     """Generation tokens/s: reclaim's engine vs transformers' generate, same model and prompts."""
     from reclaim.bench.engine import EngineBenchSpec, main
 
-    spec = EngineBenchSpec(model=model, batch_sizes=[int(b) for b in batch_sizes.split(",")],
-                           max_tokens=max_tokens, ignore_eos=ignore_eos, repeats=repeats,
-                           threads=threads, out_dir=out_dir)
+    try:
+        spec = EngineBenchSpec(model=model, workloads=workloads.split(","), heads=heads.split(","),
+                               batch1_prompts=batch1_prompts, static_batch=static_batch,
+                               max_tokens=max_tokens, ignore_eos=ignore_eos, repeats=repeats,
+                               sharegpt_requests=requests, sharegpt_slots=slots, sharegpt_scale=scale,
+                               sharegpt_file=sharegpt_file, seed=seed, threads=threads, out_dir=out_dir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     main(spec)
     typer.echo(f"wrote {out_dir}/engine.json and {out_dir}/engine.png")
 
@@ -221,18 +237,25 @@ def bench_serve(
     concurrency: str = typer.Option("1,8,32", help="Comma-separated client counts."),
     max_tokens: int = typer.Option(32, help="Output tokens per request (EOS ignored)."),
     requests_per_client: int = typer.Option(2, help="Requests per client at each level."),
+    repeats: int = typer.Option(3, help="Runs of each level (median, min/max)."),
+    gap_budgets: str = typer.Option("256,2048", help="max_num_batched_tokens values for the inter-token-gap "
+                                                     "point; empty skips it."),
+    long_prompt_tokens: int = typer.Option(8000, help="The long prompt of the gap point (clipped to the context)."),
+    threads: int = typer.Option(None, help="torch threads (default: torch's)."),
     device: str = typer.Option("cpu", help="Torch device."),
     out_dir: str = typer.Option("benchmarks", help="Where serve.json and serve.png go."),
 ) -> None:
-    """Server throughput and TTFT/TPOT at several concurrencies vs the engine and transformers."""
+    """Server throughput and TTFT/TPOT vs the engine and transformers (static batching), and a
+    stream's worst inter-token gap beside a long prompt."""
     from reclaim.bench.serve import ServeBenchSpec, main
 
     spec = ServeBenchSpec(model=model, concurrency=[int(c) for c in concurrency.split(",")],
                           max_tokens=max_tokens, requests_per_client=requests_per_client,
-                          device=device, out_dir=out_dir)
+                          repeats=repeats, gap_budgets=[int(b) for b in gap_budgets.split(",") if b],
+                          long_prompt_tokens=long_prompt_tokens, threads=threads, device=device,
+                          out_dir=out_dir)
     main(spec)
     typer.echo(f"wrote {out_dir}/serve.json and {out_dir}/serve.png")
-
 
 
 if __name__ == "__main__":

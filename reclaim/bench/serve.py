@@ -1,19 +1,28 @@
-"""`reclaim bench serve`: the OpenAI server under closed-loop load at several concurrencies.
+"""`reclaim bench serve`: the OpenAI server under closed-loop load at several concurrencies, and a
+stream's worst gap between tokens while a long prompt is prefilled.
 
 Each level runs `c` clients that each send streamed chat requests back to back (greedy, EOS
 ignored, so every request yields exactly `max_tokens` tokens). Measured at the client: request
 throughput, output tokens/s, time to first token and time per output token (p50/p99). Two
-baselines run in the same process on the same prompts: the engine called directly with the same
-`c` requests in flight (what HTTP, SSE and the event loop cost), and transformers' `generate`
-one request at a time (a server without continuous batching).
+baselines run in the same process on the same prompts, right after the server at each level: the
+engine called directly with the same `c` requests in flight (what HTTP, SSE and the event loop
+cost), and transformers' `generate` serving the same `c` clients with static batching (the `c`
+queued requests form one left-padded batch; the next batch starts when it finishes; TTFT is when
+the batch's first forward ends). Every level is repeated `repeats` times (server, engine,
+transformers, then the next level); the JSON keeps every run and the medians with min/max.
+
+The gap point (issue 12): one stream runs alone, then again while a ~8K-token prompt (the longest
+the model's context allows) is sent after its first tokens; the worst gap between its tokens is
+reported at each `max_num_batched_tokens` (the engine's token budget per step, passed through the
+server's engine args), with the long prompt's time to first token beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import platform
+import random
+import statistics
 import threading
 import time
 from collections import deque
@@ -23,6 +32,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
+from reclaim.bench.meta import finish_metadata, run_metadata
 
 T = TypeVar("T")
 QUESTIONS = [
@@ -54,8 +65,14 @@ class ServeBenchSpec:
     max_tokens: int = 32
     requests_per_client: int = 2
     min_requests: int = 4
-    hf_requests: int = 4
+    repeats: int = 3
     max_num_seqs: int = 32
+    # The inter-token-gap point: budgets to compare, the long prompt's length (clipped to the
+    # context), and how many tokens the stream reads when alone.
+    gap_budgets: list[int] = field(default_factory=lambda: [256, 2048])
+    long_prompt_tokens: int = 8000
+    gap_stream_tokens: int = 32
+    threads: int | None = None
     device: str = "cpu"
     out_dir: str = "benchmarks"
 
@@ -88,7 +105,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(timings: list[Timing], wall: float) -> dict[str, float]:
-    """Throughput and latency percentiles (milliseconds) of one level."""
+    """Throughput and latency percentiles (milliseconds) of one run of one level."""
     ttft = [t.ttft for t in timings]
     tpot = [t.tpot for t in timings if t.tpot is not None]
     out = {"requests": len(timings), "wall_s": wall, "req_per_s": len(timings) / wall,
@@ -96,6 +113,19 @@ def summarize(timings: list[Timing], wall: float) -> dict[str, float]:
     for name, xs in (("ttft", ttft), ("tpot", tpot)):
         for q in (50, 99):
             out[f"{name}_p{q}_ms"] = 1000 * percentile(xs, q) if xs else float("nan")
+    return out
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """Median, min and max over repeats."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def aggregate(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Every metric's median over the repeats, throughput's min/max, and the runs themselves."""
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["output_tok_per_s_spread"] = spread([r["output_tok_per_s"] for r in runs])
+    out["runs"] = runs
     return out
 
 
@@ -139,13 +169,16 @@ async def _client_loop(client: Any, model: str, queue: deque, max_tokens: int,
         out.append(Timing(start, first or end, end, tokens))
 
 
-async def run_server_level(url: str, model: str, c: int, n: int, max_tokens: int) -> dict:
-    """`c` closed-loop streaming clients sending `n` requests in all."""
+def _client(url: str) -> Any:
     import openai
 
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+
+
+async def run_server_level(url: str, model: str, c: int, n: int, max_tokens: int) -> dict:
+    """`c` closed-loop streaming clients sending `n` requests in all."""
     queue, timings = deque(range(n)), []
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0,
-                                  timeout=600) as client:
+    async with _client(url) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(_client_loop(client, model, queue, max_tokens, timings)
                                for _ in range(c)))
@@ -163,11 +196,12 @@ def run_engine_level(engine: Any, prompts: list[list[int]], c: int, max_tokens: 
     pending = deque(range(len(prompts)))
     live: dict[str, Timing] = {}
     done: list[Timing] = []
+    tag = f"bench-{time.monotonic_ns()}"
 
     def admit() -> None:
         while pending and len(live) < c:
             i = pending.popleft()
-            rid = f"bench-{i}"
+            rid = f"{tag}-{i}"
             engine.add_request(rid, prompts[i], params)
             live[rid] = Timing(time.perf_counter(), 0.0, 0.0, 0)
 
@@ -178,99 +212,201 @@ def run_engine_level(engine: Any, prompts: list[list[int]], c: int, max_tokens: 
         now = time.perf_counter()
         for o in outputs:
             t = live[o.request_id]
+            t.tokens += len(o.new_token_ids)
             if o.new_token_ids and not t.first:
                 t.first = now
             if o.finished:
-                t.end, t.tokens = now, len(o.token_ids)
+                t.end = now
                 done.append(live.pop(o.request_id))
         admit()
     return summarize(done, time.perf_counter() - t0)
 
 
-def run_hf_sequential(model_dir: Path, prompts: list[list[int]], max_tokens: int,
-                      device: str) -> dict:
-    """transformers' generate, one request at a time; TTFT from a separate 1-token generate."""
-    from transformers import AutoModelForCausalLM
+def run_hf_static(hf: Any, prompts: list[list[int]], c: int, max_tokens: int, pad: int) -> dict:
+    """transformers' generate serving `c` closed-loop clients with static batching: each batch is
+    the `c` queued requests, left-padded, run to max_tokens; a request's first token is out when
+    the batch's first forward (the prefill) ends."""
+    from reclaim.bench.engine import run_transformers
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
-                                              dtype=torch.float32).to(device).eval()
+    ends: list[float] = []
+    hook = hf.register_forward_hook(lambda *_: ends.append(time.perf_counter()))
     timings = []
-    with torch.inference_mode():
-        hf.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2,
-                    do_sample=False)  # warm-up
-        for ids in prompts:
-            x = torch.tensor([ids], device=device)
+    try:
+        with torch.inference_mode():
             t0 = time.perf_counter()
-            hf.generate(x, max_new_tokens=1, do_sample=False)
-            t1 = time.perf_counter()
-            out = hf.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                              do_sample=False)
-            t2 = time.perf_counter()
-            timings.append(Timing(0.0, t1 - t0, t2 - t1, out.shape[1] - x.shape[1]))
-    return summarize(timings, sum(t.end for t in timings))
+            for i in range(0, len(prompts), c):
+                batch = prompts[i:i + c]
+                ends.clear()
+                start = time.perf_counter()
+                out, _ = run_transformers(hf, batch, max_tokens, pad, True, set())
+                end = time.perf_counter()
+                timings += [Timing(start, ends[0], end, len(r)) for r in out]
+            wall = time.perf_counter() - t0
+    finally:
+        hook.remove()
+    return summarize(timings, wall)
+
+
+# ---- a stream's worst inter-token gap while a long prompt is prefilled ----
+
+async def stream_gaps(url: str, model: str, *, long_messages: list[dict] | None,
+                      alone_tokens: int, stream_max_tokens: int, warm_tokens: int = 4) -> dict[str, Any]:
+    """One greedy stream (chat_messages(0)); with `long_messages`, that request is sent once
+    the stream has `warm_tokens` tokens, and the stream is read until 2 tokens after the long
+    request's first token. Returns the worst gap between the stream's tokens in that window (ms)."""
+    async with _client(url) as client:
+        stream = await client.chat.completions.create(
+            model=model, messages=chat_messages(0), max_tokens=stream_max_tokens, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True})
+        arrivals: list[float] = []
+        long_task: asyncio.Task | None = None
+        sent = done = None
+
+        async def long_request() -> float:
+            await client.chat.completions.create(model=model, messages=long_messages, max_tokens=1,
+                                                 temperature=0.0)
+            return time.perf_counter()
+
+        async for chunk in stream:
+            if not (chunk.choices and chunk.choices[0].delta.content):
+                continue
+            arrivals.append(time.perf_counter())
+            if long_messages is None:
+                if len(arrivals) >= warm_tokens + alone_tokens:
+                    break
+                continue
+            if long_task is None and len(arrivals) >= warm_tokens:
+                sent = time.perf_counter()
+                long_task = asyncio.create_task(long_request())
+            elif long_task is not None and long_task.done():
+                done = done or long_task.result()
+                if sum(t > done for t in arrivals) >= 2:
+                    break
+        await stream.close()
+        if long_task is not None and not long_task.done():
+            await long_task  # the stream ended first: let the long request finish
+            done = long_task.result()
+    start = arrivals[warm_tokens - 1] if long_messages is None else sent
+    window = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start]
+    if done is not None:
+        window = [b - a for a, b in zip(arrivals, arrivals[1:]) if start < b and a <= done]
+    out = {"worst_gap_ms": 1000 * max(window), "median_gap_ms": 1000 * statistics.median(window),
+           "gaps": len(window)}
+    if long_messages is not None:
+        out["long_prompt_ttft_s"] = done - sent
+    return out
+
+
+def gap_point(model: Any, tokenizer: Any, name: str, spec: ServeBenchSpec) -> dict[str, Any]:
+    """The stream's worst gap alone and beside the long prompt, at each token budget."""
+    from reclaim.data.sharegpt import user_message
+    from reclaim.models.tokenizer import encode_chat
+    from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
+
+    context = model.config.max_position_embeddings
+    want = min(spec.long_prompt_tokens, context - 64)
+    rng = random.Random(0)
+    text = user_message(tokenizer, want, rng)
+    long_messages = [{"role": "user", "content": text}]
+    while len(encode_chat(tokenizer, long_messages)) >= context - 8:  # the template adds a few
+        text = text[: int(len(text) * 0.98)]
+        long_messages = [{"role": "user", "content": text}]
+    n_long = len(encode_chat(tokenizer, long_messages))
+    # The stream may run to the end of the context while the long prompt is prefilled.
+    kw = {"alone_tokens": spec.gap_stream_tokens,
+          "stream_max_tokens": context - len(encode_chat(tokenizer, chat_messages(0))) - 1}
+    rows = []
+    for budget in spec.gap_budgets:
+        args = EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device,
+                          max_num_batched_tokens=budget)
+        app, _, _ = build_app(model, tokenizer, (name,), args)
+        server = BackgroundServer(app)
+        try:
+            asyncio.run(run_server_level(server.url, name, 1, 1, 4))  # warm-up
+            alone = asyncio.run(stream_gaps(server.url, name, long_messages=None, **kw))
+            beside = asyncio.run(stream_gaps(server.url, name, long_messages=long_messages, **kw))
+        finally:
+            server.stop()
+        rows.append({"max_num_batched_tokens": budget, "alone": alone, "with_long_prompt": beside})
+        print(f"gap, budget {budget}: worst {alone['worst_gap_ms']:.0f} ms alone, "
+              f"{beside['worst_gap_ms']:.0f} ms beside a {n_long}-token prompt "
+              f"(its TTFT {beside['long_prompt_ttft_s']:.1f} s)", flush=True)
+    return {"long_prompt_tokens": n_long, "requested_long_prompt_tokens": spec.long_prompt_tokens,
+            "model_context": context,
+            "clipped_to_context": n_long < spec.long_prompt_tokens, "budgets": rows}
 
 
 # ---- the sweep ----
 
 def run(spec: ServeBenchSpec) -> dict:
-    """Run each level against the server and then the engine; then the transformers baseline."""
+    """Each level's repeats against the server, the engine and transformers; then the gap point."""
     from reclaim.engine.engine import Engine
+    from reclaim.models.hf import load_hf_model
     from reclaim.models.loading import load_model, resolve_model_dir
+    from reclaim.models.tokenizer import encode_chat
     from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
 
-    load_before = os.getloadavg()[0]  # other work on a shared machine moves every figure
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    meta = run_metadata()
     model_dir = resolve_model_dir(spec.model)
     model, tokenizer = load_model(model_dir, device=spec.device)
+    hf = load_hf_model(model_dir, device=spec.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     name = model_dir.name
-    n_max = max(max(spec.min_requests, spec.requests_per_client * c) for c in spec.concurrency)
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat_messages(i), tokenize=False,
-                                                              add_generation_prompt=True),
-                                add_special_tokens=False) for i in range(n_max)]
+    counts = {c: max(spec.min_requests, spec.requests_per_client * c) for c in spec.concurrency}
+    prompts = [encode_chat(tokenizer, chat_messages(i)) for i in range(max(counts.values()))]
     app, _, _ = build_app(model, tokenizer, (name,),
-                               EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device))
+                          EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device))
     server = BackgroundServer(app)
-    levels = []
+    engine = Engine(model, tokenizer, max_num_seqs=spec.max_num_seqs, device=spec.device)
+    runs: dict[int, dict[str, list]] = {c: {"server": [], "engine": [], "hf_static": []}
+                                        for c in spec.concurrency}
     try:
         asyncio.run(run_server_level(server.url, name, 1, 2, 4))  # warm-up
-        for c in spec.concurrency:
-            # Server and engine back to back, so both see the same machine load.
-            n = max(spec.min_requests, spec.requests_per_client * c)
-            served = asyncio.run(run_server_level(server.url, name, c, n, spec.max_tokens))
-            print(f"server c={c}: {_line(served)}", flush=True)
-            engine = Engine(model, tokenizer, max_num_seqs=c, device=spec.device)
-            direct = in_thread(run_engine_level, engine, prompts[:n], c, spec.max_tokens)
-            del engine
-            print(f"engine c={c}: {_line(direct)}", flush=True)
-            levels.append({"concurrency": c, "server": served, "engine": direct})
+        in_thread(run_engine_level, engine, prompts[:2], 2, 4)
+        in_thread(run_hf_static, hf, prompts[:2], 2, 4, pad)
+        for r in range(spec.repeats):
+            for c in spec.concurrency:
+                # Server and baselines back to back, so all see the same machine load.
+                n = counts[c]
+                got = runs[c]
+                got["server"].append(asyncio.run(run_server_level(server.url, name, c, n, spec.max_tokens)))
+                got["engine"].append(in_thread(run_engine_level, engine, prompts[:n], c, spec.max_tokens))
+                got["hf_static"].append(in_thread(run_hf_static, hf, prompts[:n], c, spec.max_tokens, pad))
+                print(f"repeat {r + 1}/{spec.repeats} c={c}: " + "; ".join(
+                    f"{side} {_line(v[-1])}" for side, v in got.items()), flush=True)
     finally:
         server.stop()
-    hf = in_thread(run_hf_sequential, model_dir, prompts[:spec.hf_requests], spec.max_tokens,
-                   spec.device)
-    print(f"transformers sequential: {_line(hf)}", flush=True)
-    for level in levels:
-        s = level["server"]
-        level["ratios"] = {
-            "server_vs_engine_tok_per_s":
-                s["output_tok_per_s"] / level["engine"]["output_tok_per_s"],
-            "server_vs_hf_sequential_tok_per_s": s["output_tok_per_s"] / hf["output_tok_per_s"],
-        }
+    del engine, app, server
+    levels = []
+    for c in spec.concurrency:
+        got = runs[c]
+        tps = {side: [r["output_tok_per_s"] for r in v] for side, v in got.items()}
+        levels.append({
+            "concurrency": c, "requests": counts[c],
+            **{side: aggregate(v) for side, v in got.items()},
+            "ratios": {  # per repeat, then median and min/max
+                "server_vs_engine_tok_per_s": spread([a / b for a, b in zip(tps["server"], tps["engine"])]),
+                "server_vs_hf_static_tok_per_s": spread(
+                    [a / b for a, b in zip(tps["server"], tps["hf_static"])]),
+            },
+        })
+    gaps = gap_point(model, tokenizer, name, spec) if spec.gap_budgets else None
     return {"benchmark": "serve", "model": str(model_dir), "spec": asdict(spec),
-            "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                        "threads": torch.get_num_threads(), "device": spec.device,
-                        "cpus": os.cpu_count(),
-                        "load_average_1m": [load_before, os.getloadavg()[0]]},
+            **finish_metadata(meta), "device": spec.device,
             "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
-            "levels": levels, "hf_sequential": hf}
+            "levels": levels, "inter_token_gap": gaps}
 
 
 def _line(r: dict) -> str:
-    return (f"{r['req_per_s']:.2f} req/s, {r['output_tok_per_s']:.1f} tok/s, "
-            f"TTFT p50/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms, "
-            f"TPOT p50/p99 {r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms")
+    return (f"{r['output_tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+            f"TPOT p50 {r['tpot_p50_ms']:.1f} ms")
 
 
 def plot(result: dict, path: Path) -> None:
-    """Throughput (server, engine, transformers) and latency percentiles against concurrency."""
+    """Throughput (server, engine, transformers static batching; median with min/max bars),
+    server latency percentiles against concurrency, and the worst inter-token gap."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,15 +414,19 @@ def plot(result: dict, path: Path) -> None:
 
     levels = result["levels"]
     cs = [lv["concurrency"] for lv in levels]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(cs, [lv["server"]["output_tok_per_s"] for lv in levels], "o-",
-           label="reclaim server (HTTP, SSE)")
-    a.plot(cs, [lv["engine"]["output_tok_per_s"] for lv in levels], "s--",
-           label="reclaim engine, direct")
-    a.axhline(result["hf_sequential"]["output_tok_per_s"], color="gray", ls=":",
-              label="transformers generate, sequential")
+    gaps = result.get("inter_token_gap")
+    fig, axes = plt.subplots(1, 3 if gaps else 2, figsize=(15 if gaps else 11, 4))
+    a, b = axes[0], axes[1]
+    for side, style, label in (("server", "o-", "reclaim server (HTTP, SSE)"),
+                               ("engine", "s--", "reclaim engine, direct"),
+                               ("hf_static", "^:", "transformers generate, static batches")):
+        sp = [lv[side]["output_tok_per_s_spread"] for lv in levels]
+        med = [s["median"] for s in sp]
+        a.errorbar(cs, med, yerr=[[m - s["min"] for m, s in zip(med, sp)],
+                                  [s["max"] - m for m, s in zip(med, sp)]],
+                   fmt=style, capsize=3, label=label)
     a.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s",
-          title="Throughput")
+          title=f"Throughput (median, min-max of {result['spec']['repeats']})")
     a.set_xticks(cs, [str(c) for c in cs])
     a.minorticks_off()
     a.legend(fontsize=8)
@@ -295,13 +435,25 @@ def plot(result: dict, path: Path) -> None:
             b.plot(cs, [lv["server"][f"{key}_p{q}_ms"] for lv in levels], style, alpha=alpha,
                    label=f"{key.upper()} p{q}")
     b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms",
-          title="Server latency (client side)")
+          title="Server latency (client side, median of repeats)")
     b.set_xticks(cs, [str(c) for c in cs])
     b.minorticks_off()
     b.legend(fontsize=8)
+    if gaps:
+        g = axes[2]
+        rows = gaps["budgets"]
+        xs = range(len(rows))
+        g.bar([x - 0.2 for x in xs], [r["alone"]["worst_gap_ms"] for r in rows], 0.4, label="stream alone")
+        g.bar([x + 0.2 for x in xs], [r["with_long_prompt"]["worst_gap_ms"] for r in rows], 0.4,
+              label=f"beside a {gaps['long_prompt_tokens']}-token prompt")
+        g.set_xticks(list(xs), [f"budget {r['max_num_batched_tokens']}" for r in rows])
+        g.set(yscale="log", ylabel="worst gap between tokens (ms)",
+              title="Stream stall during a long prefill")
+        g.legend(fontsize=8)
+    m = result["machine"]
     fig.suptitle(f"reclaim bench serve: {Path(result['model']).name}, "
-                 f"{result['spec']['max_tokens']} output tokens/request, "
-                 f"{result['machine']['device']}")
+                 f"{result['spec']['max_tokens']} output tokens/request, {result['device']}, "
+                 f"{m['torch_threads']} threads, load {m['load_average_at_start'][0]}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -4,8 +4,9 @@ Modes: backprop, per-layer checkpointed backprop, exact adjoint, truncated adjoi
 Mamba LM and all with the same sub-chunked loss head (so the vocabulary never spans the sequence
 in any mode and the comparison is about the layer stack). Every (mode, context) point runs in a
 fresh subprocess, with the model and optimizer state already allocated and a short warm-up step
-done: one optimizer step (forward, backward, AdamW) is measured for memory, and a later one
-is timed. Memory is that step's peak above the process's memory before it: on CUDA
+done: one optimizer step (forward, backward, AdamW) is measured for memory, and after one more
+step to settle the heap, `timing_steps` steps are timed: the median is the point's step time,
+min and max its spread. Memory is that step's peak above the process's memory before it: on CUDA
 `torch.cuda.max_memory_allocated`; on CPU the kernel's resident-set high-water mark (VmHWM,
 reset right before the step) against the RSS before it, with glibc returning freed tensor
 buffers to the OS (the same policy for every mode; it slows a step, so timing switches back to a
@@ -19,6 +20,7 @@ import ctypes
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -26,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from reclaim.bench.meta import finish_metadata, run_metadata
 
 MODES = ("backprop", "checkpoint", "adjoint", "truncated")
 GIB = 1 << 30
@@ -55,6 +59,7 @@ class BenchSpec:
     device: str = "cpu"
     threads: int = 2
     seed: int = 0
+    timing_steps: int = 3  # timed steps per point after the warm-up; step_s is their median
 
 
 def _status_kib(key: str) -> int:
@@ -128,12 +133,15 @@ def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
     if not cuda:
         _malloc_mmap_threshold(TIMING_MMAP_THRESHOLD)
         step(batch)
-    t0 = time.perf_counter()
-    step(batch)
-    step_s = time.perf_counter() - t0
+    times = []
+    for _ in range(spec.timing_steps):
+        t0 = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
     return {"mode": mode, "context": context, "peak_bytes": peak, "base_bytes": base,
-            "step_s": step_s, "tokens_per_s": context / step_s, "loss": loss,
-            "parameters": params, "device": spec.device}
+            "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times), "step_times_s": times,
+            "tokens_per_s": context / step_s, "loss": loss, "parameters": params, "device": spec.device}
 
 
 def _child() -> None:
@@ -193,7 +201,8 @@ def sweep(spec: BenchSpec, modes: tuple[str, ...] = MODES, log=print) -> list[di
                 log(f"{mode:>10} {context:>8}: stopped: {p['failed']}")
                 break
             log(f"{mode:>10} {context:>8}: peak {p['peak_bytes'] / GIB:7.3f} GiB  "
-                f"step {p['step_s']:8.2f} s  {p['tokens_per_s']:8.0f} tok/s  loss {p['loss']:.4f}")
+                f"step {p['step_s']:8.2f} s ({p['step_s_min']:.2f}-{p['step_s_max']:.2f}, median of "
+                f"{len(p['step_times_s'])})  {p['tokens_per_s']:8.0f} tok/s  loss {p['loss']:.4f}")
             over_cap = p["peak_bytes"] > spec.cap_gib * GIB
             if p["step_s"] > spec.max_point_s or (over_cap and context >= spec.reference_context):
                 break
@@ -210,6 +219,11 @@ def longest_under(points: list[dict[str, Any]], cap_bytes: float) -> dict[str, d
         memory_bound = any("failed" in p or p["peak_bytes"] > cap_bytes for p in mine)
         out[m] = {"context": max(fit, default=0), "limited_by_time": bool(fit) and not memory_bound}
     return out
+
+
+def _step_range(p: dict[str, Any]) -> tuple[float, float]:
+    """A point's fastest and slowest timed step (one step, for points measured before spreads)."""
+    return p.get("step_s_min", p["step_s"]), p.get("step_s_max", p["step_s"])
 
 
 def summarize(spec: BenchSpec, points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -229,6 +243,10 @@ def summarize(spec: BenchSpec, points: list[dict[str, Any]]) -> dict[str, Any]:
             "memory_vs_backprop": {c: by["backprop", c]["peak_bytes"] / max(1, by[m, c]["peak_bytes"])
                                    for c in common},
             "time_vs_backprop": {c: by[m, c]["step_s"] / by["backprop", c]["step_s"] for c in common},
+            # Widest ratio the timed steps allow: fastest over slowest backprop step, and back.
+            "time_vs_backprop_range": {
+                c: [_step_range(by[m, c])[0] / _step_range(by["backprop", c])[1],
+                    _step_range(by[m, c])[1] / _step_range(by["backprop", c])[0]] for c in common},
         }
     return {"longest_context_under_cap_gib": caps, "ratios": ratios}
 
@@ -247,9 +265,13 @@ def plot(spec: BenchSpec, points: list[dict[str, Any]], path: Path) -> None:
             continue
         xs = [p["context"] for p in ps]
         ax_m.plot(xs, [p["peak_bytes"] / GIB for p in ps], "o-", label=mode)
-        ax_t.plot(xs, [p["step_s"] for p in ps], "o-", label=mode)
+        ys = [p["step_s"] for p in ps]
+        err = [[y - _step_range(p)[0] for y, p in zip(ys, ps)],
+               [_step_range(p)[1] - y for y, p in zip(ys, ps)]]
+        ax_t.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=mode)
     ax_m.axhline(spec.cap_gib, color="gray", ls="--", lw=1, label=f"cap {spec.cap_gib} GiB")
-    for ax, ylabel in ((ax_m, "peak memory of one step (GiB)"), (ax_t, "step time (s)")):
+    for ax, ylabel in ((ax_m, "peak memory of one step (GiB)"),
+                       (ax_t, f"step time (s), median and min-max of {spec.timing_steps}")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context length (tokens)")
@@ -312,18 +334,23 @@ def truncation_error(spec: BenchSpec, context: int, windows: list[int]) -> dict[
 
 def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict[str, Any]:
     """Run the sweep and the truncation-error measurement, then `report` them."""
+    meta = run_metadata()
     log(f"bench ssm: d_model={spec.d_model} n_layer={spec.n_layer} vocab={spec.vocab_size} "
         f"device={spec.device} cap={spec.cap_gib} GiB contexts={spec.contexts}")
     points = sweep(spec, log=log)
     context = spec.contexts[0]
     windows = [w for w in (16, 64, 256, 1024) if w < context] + [context]
-    return report(spec, points, out_dir, log, truncation_error(spec, context, windows))
+    return report(spec, points, out_dir, log, truncation_error(spec, context, windows), meta=meta)
 
 
 def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=print,
-           trunc_error: dict[str, float] | None = None) -> dict[str, Any]:
+           trunc_error: dict[str, float] | None = None,
+           meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Print the summary, where memory comes from and the truncated adjoint's gradient error
-    (`truncation_error`, when given); write ssm.json and ssm.png."""
+    (`truncation_error`, when given); write ssm.json (with `meta`: machine, versions, commit,
+    command; taken now when not given) and ssm.png."""
+    meta = finish_metadata(meta or run_metadata())
+    meta["machine"]["torch_threads"] = spec.threads  # each point's process sets its own
     summary = summarize(spec, points)
     for cap, longest in summary["longest_context_under_cap_gib"].items():
         log(f"longest context under {cap} GiB: " + ", ".join(
@@ -333,7 +360,8 @@ def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=pri
     for m, r in summary["ratios"].items():
         log(f"{m:>10} vs backprop: memory " + ", ".join(
             f"{c}: {v:.1f}x less" for c, v in r["memory_vs_backprop"].items()) + "; time " + ", ".join(
-            f"{c}: {v:.2f}x" for c, v in r["time_vs_backprop"].items()))
+            f"{c}: {v:.2f}x ({lo:.2f}-{hi:.2f})" for (c, v), (lo, hi)
+            in zip(r["time_vs_backprop"].items(), r["time_vs_backprop_range"].values())))
     biggest = max((p["context"] for p in points if p["mode"] == "adjoint" and "failed" not in p),
                   default=spec.contexts[0])
     sources = memory_sources(spec, biggest)
@@ -349,7 +377,7 @@ def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=pri
             slopes[m] = (b["peak_bytes"] - a["peak_bytes"]) / (b["context"] - a["context"])
     log("memory growth per token (slope between the two longest points): " + ", ".join(
         f"{m} {v / 1024:.2f} KiB" for m, v in slopes.items()))
-    result = {"spec": asdict(spec), "points": points, "summary": summary,
+    result = {"benchmark": "ssm", "spec": asdict(spec), **meta, "points": points, "summary": summary,
               "adjoint_memory_sources_bytes": sources, "bytes_per_token_slope": slopes}
     if trunc_error:
         result["truncated_gradient_rel_l2_error"] = {"context": spec.contexts[0], **trunc_error}

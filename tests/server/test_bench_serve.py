@@ -22,18 +22,32 @@ def test_bench_serve_writes_json_and_png(tmp_path):
     tokenizer = make_tokenizer()
     model_dir = save_model(make_model(tokenizer), tokenizer, tmp_path / "tiny")
     spec = ServeBenchSpec(model=str(model_dir), concurrency=[1, 3], max_tokens=5,
-                          requests_per_client=1, min_requests=2, hf_requests=2, max_num_seqs=4,
+                          requests_per_client=1, min_requests=2, repeats=2, max_num_seqs=4,
+                          gap_budgets=[16, 64], long_prompt_tokens=150, gap_stream_tokens=4,
                           out_dir=str(tmp_path / "out"))
     main(spec)
     result = json.loads((tmp_path / "out" / "serve.json").read_text())
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
     for lv in result["levels"]:
-        for side in ("server", "engine"):
+        for side in ("server", "engine", "hf_static"):
             r = lv[side]
-            assert r["requests"] == max(2, lv["concurrency"])
-            # Every request produced exactly max_tokens tokens (EOS is ignored).
-            assert r["output_tok_per_s"] * r["wall_s"] == pytest.approx(5 * r["requests"])
-            assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-        assert lv["ratios"]["server_vs_engine_tok_per_s"] > 0
-    assert result["hf_sequential"]["requests"] == 2
+            assert len(r["runs"]) == 2
+            for run in r["runs"]:
+                assert run["requests"] == max(2, lv["concurrency"])
+                # Every request produced exactly max_tokens tokens (EOS is ignored).
+                assert run["output_tok_per_s"] * run["wall_s"] == pytest.approx(5 * run["requests"])
+                assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"]
+            s = r["output_tok_per_s_spread"]
+            assert s["min"] <= s["median"] <= s["max"]
+        assert lv["ratios"]["server_vs_hf_static_tok_per_s"]["median"] > 0
+    # The run is reproducible from what the JSON records.
+    assert result["command"] and result["git"]["commit"]
+    assert result["machine"]["cpu_model"] and result["machine"]["torch_threads"] >= 1
+    assert result["versions"]["torch"] and result["versions"]["transformers"]
+    gaps = result["inter_token_gap"]
+    assert [b["max_num_batched_tokens"] for b in gaps["budgets"]] == [16, 64]
+    assert 100 < gaps["long_prompt_tokens"] < 256  # the tiny model's context is 256
+    for b in gaps["budgets"]:
+        assert b["alone"]["worst_gap_ms"] > 0 and b["with_long_prompt"]["worst_gap_ms"] > 0
+        assert b["with_long_prompt"]["long_prompt_ttft_s"] > 0

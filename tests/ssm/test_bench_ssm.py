@@ -21,9 +21,17 @@ def test_bench_ssm_runs_every_mode_and_writes_json_and_png(tmp_path) -> None:
     for p in points.values():
         assert "failed" not in p, p
         assert p["peak_bytes"] > 0 and p["step_s"] > 0
+        # Step time: the median of at least 3 timed steps, with their spread.
+        assert len(p["step_times_s"]) == 3
+        assert p["step_s_min"] <= p["step_s"] <= p["step_s_max"]
         assert p["loss"] == pytest.approx(points["backprop"]["loss"], rel=1e-5)
     assert set(result["summary"]["ratios"]) == set(MODES[1:])
     # Truncation error: shrinks as the window grows, and a window spanning the context is exact.
     err = result["truncated_gradient_rel_l2_error"]
     assert err["16"] > err["1024"] > 0 and err["2048"] < 1e-5
     assert (tmp_path / "ssm.png").stat().st_size > 10_000
+    for m, r in result["summary"]["ratios"].items():
+        lo, hi = r["time_vs_backprop_range"]["2048"]
+        assert lo <= r["time_vs_backprop"]["2048"] <= hi
+    assert result["command"] and result["git"]["commit"] and result["versions"]["torch"]
+    assert result["machine"]["cpu_model"] and result["machine"]["torch_threads"] == 1
