@@ -148,23 +148,22 @@ def serve(
 @app.command("ssm-train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def ssm_train(
     ctx: typer.Context,
-    config: str = typer.Option(None, "--config", help="YAML file of SSMTrainConfig fields."),
+    config: str = typer.Option(None, "--config", help="YAML file of SSMTrainConfig fields, or a "
+                               "bundled config: ssm-tiny, ssm-64k, ssm-128k-time."),
     grad_mode: str = typer.Option(None, "--grad-mode", help="backprop | checkpoint | adjoint | truncated."),
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
     """Train a Mamba LM on a text corpus at a chosen context length. Any config field can be
-    overridden as `--field value` (e.g. --context_length 65536 --window 2048). Under
-    `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...`, --sharding none | layer | time
-    picks data parallel, a pipeline over layer blocks, or context parallel."""
-    from reclaim.ssm.train import load_config, parse_overrides, train
+    overridden as `--field value` (e.g. --context_length 65536 --window 2048; a bool field alone
+    is true). Under `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...`, --sharding none |
+    layer | time picks data parallel, a pipeline over layer blocks, or context parallel."""
+    from reclaim.config import load_config
+    from reclaim.ssm.train import SSMTrainConfig, train
 
+    args = list(ctx.args) + (["--grad_mode", grad_mode] if grad_mode is not None else []) + (
+        ["--resume_from_checkpoint", "true"] if resume else [])
     try:
-        overrides = parse_overrides(ctx.args)
-        if grad_mode is not None:
-            overrides["grad_mode"] = grad_mode
-        if resume:
-            overrides["resume_from_checkpoint"] = True
-        cfg = load_config(config, overrides)
+        cfg = load_config(SSMTrainConfig, config, args)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     records = train(cfg)

@@ -29,13 +29,13 @@ import json
 import os
 import shutil
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from reclaim.schedule import SCHEDULES, lr_scheduler
 from reclaim.ssm.adjoint import RECOMPUTE, adjoint_loss_backward, aligned_labels, chunk_bounds
 
 GRAD_MODES = ("backprop", "checkpoint", "adjoint", "truncated")
@@ -45,7 +45,10 @@ ADJOINT_MODES = ("adjoint", "truncated")
 
 @dataclass
 class SSMTrainConfig:
-    """Training run for a Mamba LM; names follow transformers' TrainingArguments where they exist."""
+    """Training run for a Mamba LM; names follow transformers' TrainingArguments where they exist.
+
+    Load one with `reclaim.config.load_config(SSMTrainConfig, path_or_name, overrides)`.
+    """
 
     output_dir: str = "runs/ssm"
     # Model: a pretrained HF Mamba directory, or random init of this size (model=None).
@@ -70,7 +73,8 @@ class SSMTrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     max_steps: int = 100
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # learning rate rises from 0 over these steps, as in transformers
+    lr_scheduler_type: str = "linear"  # linear | cosine | constant | constant_with_warmup
     per_device_train_batch_size: int = 1
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
@@ -92,6 +96,11 @@ class SSMTrainConfig:
             raise ValueError(f"sharding {self.sharding!r} shards the adjoint: it needs grad_mode in "
                              f"{list(ADJOINT_MODES)}, got {self.grad_mode!r} (use sharding none "
                              f"for data parallel {self.grad_mode})")
+        if self.lr_scheduler_type not in SCHEDULES:
+            raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of "
+                             f"{list(SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.adjoint_recompute not in RECOMPUTE:
             raise ValueError(f"adjoint_recompute {self.adjoint_recompute!r} is not one of "
                              f"{list(RECOMPUTE)}")
@@ -102,68 +111,6 @@ class SSMTrainConfig:
                      "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-# ---- config files ------------------------------------------------------------------------------
-
-def _coerce(value: Any, hint: str, name: str) -> Any:
-    """Turn a YAML or command-line value into the field's declared type (int, float, bool, str)."""
-    # The string "none" is None only for an optional field: `sharding: none` is a value.
-    if value is None or ("None" in hint and isinstance(value, str)
-                         and value.lower() in ("none", "null")):
-        if "None" not in hint:
-            raise ValueError(f"{name} cannot be None; it takes {hint}")
-        return None
-    base = hint.replace(" | None", "").strip()
-    if base == "bool":
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "1", "yes"):
-            return True
-        if str(value).lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"{name} takes true/false, got {value!r}")
-    kinds = {"int": int, "float": float, "str": str}
-    try:
-        return kinds[base](float(value) if base == "int" and isinstance(value, str) and "e" in value
-                           else value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name} takes {base}, got {value!r}") from e
-
-
-def load_config(path: str | os.PathLike | None, overrides: dict[str, Any] | None = None
-                ) -> SSMTrainConfig:
-    """Config from a YAML file (or defaults when path is None) with field overrides applied."""
-    import yaml
-
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"config file {str(path)!r} must hold a mapping of field: value")
-    raw.update(overrides or {})
-    hints = {f.name: str(f.type) for f in dataclasses.fields(SSMTrainConfig)}
-    unknown = sorted(set(raw) - set(hints))
-    if unknown:
-        raise ValueError(f"unknown config fields {unknown}; allowed: {sorted(hints)}")
-    return SSMTrainConfig(**{k: _coerce(v, hints[k], k) for k, v in raw.items()})
-
-
-def parse_overrides(args: list[str]) -> dict[str, str]:
-    """`--field value` / `--field=value` pairs from the command line (dashes become underscores)."""
-    out, i = {}, 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ValueError(f"expected --field value, got {arg!r}")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args):
-                raise ValueError(f"{arg} needs a value")
-            value, i = args[i + 1], i + 1
-        out[key.replace("-", "_")] = value
-        i += 1
-    return out
 
 
 # ---- model, data, gradient ---------------------------------------------------------------------
@@ -275,14 +222,6 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
     return atomic_dir(output_dir / f"{CHECKPOINT_PREFIX}{step}", write)
-
-
-def _lr_lambda(cfg: SSMTrainConfig):
-    def factor(step: int) -> float:  # linear warmup, then linear decay to 0 (HF's "linear")
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        return max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return factor
 
 
 def _trim_log(path: Path, step: int) -> None:
@@ -454,7 +393,8 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
               else list(model.parameters()))
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
+                         total_steps=cfg.max_steps)
     if cfg.resume_from_checkpoint:
         opt.load_state_dict(torch.load(last / _optimizer_file(cfg, ranks), map_location=device))
         sched.load_state_dict(torch.load(last / "scheduler.pt"))
@@ -515,13 +455,14 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
 
 
 def demo_ssm(steps: int = 5, output_dir: str | None = None, log=print) -> list[dict[str, Any]]:
-    """Train configs/ssm-tiny.yaml for a few steps with the exact adjoint and print the losses."""
+    """Train the bundled ssm-tiny config for a few steps with the exact adjoint; print the losses."""
     import tempfile
 
-    path = Path(__file__).resolve().parents[2] / "configs" / "ssm-tiny.yaml"
+    from reclaim.config import load_config
+
     out = output_dir or tempfile.mkdtemp(prefix="reclaim-ssm-demo-")
-    cfg = load_config(path, {"max_steps": steps, "grad_mode": "adjoint", "output_dir": out,
-                             "save_steps": 0})
+    cfg = load_config(SSMTrainConfig, "ssm-tiny", {"max_steps": steps, "grad_mode": "adjoint",
+                                                   "output_dir": out, "save_steps": 0})
     log(f"ssm demo: Mamba d_model={cfg.d_model} x {cfg.n_layer} layers, context {cfg.context_length}, "
         f"exact adjoint with chunk {cfg.chunk_size}, corpus {cfg.corpus}")
     records = train(cfg, progress=False)

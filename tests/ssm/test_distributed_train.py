@@ -8,6 +8,7 @@ reproduces the uninterrupted run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reclaim.config import load_config
 from reclaim.ssm import train as T
 
 # 3 layers: blocks of 1 and 2 layers; 48 tokens in chunks of 10: segments of 20 and 28 tokens.
@@ -63,7 +65,7 @@ def _worker(root: Path) -> None:
             shutil.copy(root / name / "log.jsonl", root / f"{name}-uninterrupted.jsonl")
             shutil.rmtree(root / name / "checkpoint-4")
         dist.barrier()
-        T.train(T.load_config(None, {**T.dataclasses.asdict(cfg), "resume_from_checkpoint": True}),
+        T.train(load_config(T.SSMTrainConfig, None, {**dataclasses.asdict(cfg), "resume_from_checkpoint": True}),
                 tokens=tokens, progress=False)
     dist.destroy_process_group()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from reclaim.config import bundled_configs, load_config
 from reclaim.ssm import train as T
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(d_model=16, n_layer=2, d_state=4, context_length=48, chunk_size=10, loss_chunk=16,
             learning_rate=1e-2, max_steps=4, logging_steps=1)
 
@@ -24,6 +25,10 @@ def tokens() -> torch.Tensor:
     # Each random token appears twice in a row: something to learn, so the loss can fall.
     return torch.randint(0, 40, (2000,), generator=torch.Generator().manual_seed(0),
                          dtype=torch.int32).repeat_interleave(2)
+
+
+def load(path_or_name=None, overrides=None) -> T.SSMTrainConfig:
+    return load_config(T.SSMTrainConfig, path_or_name, overrides)
 
 
 def _log(path: Path) -> list[dict]:
@@ -59,7 +64,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, tokens) -> No
         p.name for p in ckpt.iterdir()}
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 4
     shutil.rmtree(ckpt)  # as if the run died after step 4's log line, before its checkpoint
-    resumed = T.train(T.load_config(None, {**T.dataclasses.asdict(cfg),
+    resumed = T.train(load(None, {**dataclasses.asdict(cfg),
                                            "resume_from_checkpoint": True}),
                       tokens=tokens, progress=False)
     assert [r["step"] for r in resumed] == [3, 4]
@@ -74,21 +79,21 @@ def test_resume_without_checkpoint_names_the_directory(tmp_path, tokens) -> None
 
 
 def test_config_files_load_and_overrides_coerce() -> None:
-    for path in sorted((ROOT / "configs").glob("ssm-*.yaml")):
-        T.load_config(path)
-    cfg = T.load_config(ROOT / "configs" / "ssm-tiny.yaml",
-                        T.parse_overrides(["--learning-rate", "3e-4", "--window=64",
-                                           "--grad_mode", "truncated", "--resume_from_checkpoint", "true"]))
+    assert {"ssm-tiny", "ssm-64k", "ssm-128k-time"} <= set(bundled_configs())
+    for name in bundled_configs():
+        load(name)
+    cfg = load("ssm-tiny", ["--learning-rate", "3e-4", "--window=64", "--grad_mode", "truncated",
+                            "--resume_from_checkpoint"])
     assert (cfg.learning_rate, cfg.window, cfg.grad_mode, cfg.resume_from_checkpoint) == (
         3e-4, 64, "truncated", True)
     with pytest.raises(ValueError, match="learning_rte"):
-        T.load_config(None, {"learning_rte": 1})
+        load(None, {"learning_rte": 1})
     with pytest.raises(ValueError, match="'sgd'"):
-        T.load_config(None, {"grad_mode": "sgd"})
+        load(None, {"grad_mode": "sgd"})
     with pytest.raises(ValueError, match="window"):
-        T.load_config(None, {"grad_mode": "truncated"})
+        load(None, {"grad_mode": "truncated"})
     with pytest.raises(ValueError, match="adjoint_recompute 'all' is not one of"):
-        T.load_config(None, {"adjoint_recompute": "all"})
+        load(None, {"adjoint_recompute": "all"})
 
 
 def _char_corpus(tmp_path: Path, config: str) -> list[str]:
@@ -136,7 +141,7 @@ def test_cli_under_torchrun_equals_one_process(tmp_path, monkeypatch, one_thread
     _cli(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node=2"], [*args, "--sharding", "layer", "--output_dir", str(out)])
     monkeypatch.setenv("RECLAIM_CACHE", str(tmp_path / "cache"))
-    T.train(T.load_config(args[1], {"output_dir": str(tmp_path / "one"), "corpus": args[3],
+    T.train(load(args[1], {"output_dir": str(tmp_path / "one"), "corpus": args[3],
                                     "tokenizer": args[5]}), progress=False)
     got, want = _log(out), _log(tmp_path / "one")
     assert [r["step"] for r in got] == [1, 2, 3]
@@ -149,10 +154,10 @@ def test_cli_under_torchrun_equals_one_process(tmp_path, monkeypatch, one_thread
 
 def test_bad_sharding_configs_say_what_is_allowed(tmp_path, tokens, monkeypatch) -> None:
     with pytest.raises(ValueError, match="'pipeline' is not one of"):
-        T.load_config(None, {"sharding": "pipeline"})
+        load(None, {"sharding": "pipeline"})
     with pytest.raises(ValueError, match="needs grad_mode in"):
-        T.load_config(None, {"sharding": "layer", "grad_mode": "backprop"})
-    assert T.load_config(None, T.parse_overrides(["--sharding", "none"])).sharding == "none"
+        load(None, {"sharding": "layer", "grad_mode": "backprop"})
+    assert load(None, ["--sharding", "none"]).sharding == "none"
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = T.SSMTrainConfig(output_dir=str(tmp_path), sharding="time", **TINY)
     with pytest.raises(ValueError, match="WORLD_SIZE is 1; launch `torchrun"):
