@@ -83,39 +83,52 @@ class KVPool:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
-    def view(self, tables: list[list[int]], past: list[int], new: list[int]) -> "PagedView":
-        """The cache for one forward over rows that hold `past[i]` cached and `new[i]` new tokens."""
-        return PagedView(self, tables, past, new)
+    def view(
+        self, tables: list[list[int]], past: list[int], new: list[int], *, sliding_window: int | None = None
+    ) -> "PagedView":
+        """The cache for one forward over rows that hold `past[i]` cached and `new[i]` new tokens.
+
+        `sliding_window` must be the model config's: each query then sees only the last
+        `sliding_window` positions up to its own (older blocks are not even read).
+        """
+        return PagedView(self, tables, past, new, sliding_window=sliding_window)
 
 
 class PagedView:
     """One forward's window on the pool: writes the new K/V to their slots and gathers each row's
     blocks, padded to the longest row (in whole blocks), with a mask: causal within the new
-    tokens, padding hidden.
+    tokens, padding hidden, and keys older than `sliding_window` hidden.
 
     Index tensors and the mask are built once here, not per layer. `positions` [B, T] are the
     absolute positions to feed the model (padded query rows get harmless positions).
     """
 
-    def __init__(self, pool: KVPool, tables: list[list[int]], past: list[int], new: list[int]) -> None:
+    def __init__(
+        self, pool: KVPool, tables: list[list[int]], past: list[int], new: list[int],
+        *, sliding_window: int | None = None,
+    ) -> None:
         if not (len(tables) == len(past) == len(new)) or not tables or min(new) < 1:
             raise ValueError(
                 f"bad batch: {len(tables)} tables, past={past}, new={new}; need equal lengths and new >= 1"
             )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window}; allowed: >= 1 or None")
         device = pool.k.device
-        bs = pool.block_size
+        bs, w = pool.block_size, sliding_window
         b, t = len(new), max(new)
         total = [p + n for p, n in zip(past, new)]
         nblk = -(-max(total) // bs)
         if any(len(tb) * bs < n for tb, n in zip(tables, total)):
             raise ValueError(f"block tables too short for totals {total} at block_size {bs}")
-        # Each row reads its first nblk blocks (block 0 stands in where a row has fewer).
+        # Each row reads blocks lo..nblk-1 (block 0 stands in where a row has fewer); blocks
+        # below lo hold only keys older than every query's window.
+        lo = 0 if w is None else min(max(0, p + 1 - w) for p in past) // bs
         table_t = torch.tensor([(tb + [0] * nblk)[:nblk] for tb in tables], device=device)
-        self.read_blocks = table_t.reshape(-1)
-        s = nblk * bs
+        self.read_blocks = table_t[:, lo:].reshape(-1)
+        s = (nblk - lo) * bs
         past_t = torch.tensor(past, device=device)
         new_t = torch.tensor(new, device=device)
-        key_pos = torch.arange(s, device=device)
+        key_pos = lo * bs + torch.arange(s, device=device)  # absolute position of each read key
         self.positions = past_t[:, None] + torch.arange(t, device=device)  # [B, T]
         query_ok = torch.arange(t, device=device) < new_t[:, None]  # [B, T]
         pos = self.positions[query_ok]
@@ -125,15 +138,34 @@ class PagedView:
         self.src_idx = None if min(new) == t else query_ok.reshape(-1).nonzero().squeeze(1)
         self.shape = (b, t, s)
         self.pool = pool
+        self.sliding_window = w
+        self.mask: torch.Tensor | None = None  # None: plain causal attention over the new tokens
         self.fresh_prompt = b == 1 and past[0] == 0
-        self.mask: torch.Tensor | None = None  # None: a fresh prompt, plain causal attention
-        # One row decoding one token sees exactly its keys: cut the block padding, skip the mask.
-        self.keep = total[0] if b == 1 and t == 1 else s
-        if not self.fresh_prompt and self.keep == s:
+        # One row decoding one token sees exactly its keys, the last w of them: cut the read
+        # keys to those and skip the mask.
+        self.cut: slice | None = None
+        if b == 1 and t == 1:
+            self.cut = slice(max(0, total[0] - (w or total[0])) - lo * bs, total[0] - lo * bs)
+        elif self.fresh_prompt:
+            if w is not None and t > w:
+                self.mask = self._mask(self.positions, torch.arange(t, device=device), w)
+        else:
             key_ok = key_pos < (past_t + new_t)[:, None]
-            # Padded query rows still see their row's real keys, so no softmax row is all -inf.
-            causal = key_pos[None, None, :] <= self.positions[:, :, None]
-            self.mask = (causal & key_ok[:, None, :])[:, None]  # [B, 1, T, S]
+            # Padded query rows see all their row's real keys, so no softmax row is all -inf.
+            self.mask = self._mask(self.positions, key_pos, w, ~query_ok) & key_ok[:, None, None, :]
+
+    @staticmethod
+    def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None,
+              unwindowed: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 1, T, S]: key k is visible to query q if q - window < k <= q (`unwindowed` rows: k <= q)."""
+        q, k = q_pos[:, :, None], key_pos[None, None, :]
+        ok = k <= q
+        if window is not None:
+            near = k > q - window
+            if unwindowed is not None:
+                near = near | unwindowed[:, :, None]
+            ok = ok & near
+        return ok[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store this layer's new K/V ([B, Hkv, T, D]) and return the rows' full contexts."""
@@ -146,10 +178,10 @@ class PagedView:
         self.pool.k_slots[layer].index_copy_(1, self.write_idx, kf)
         self.pool.v_slots[layer].index_copy_(1, self.write_idx, vf)
         if self.fresh_prompt:
-            return k, v, None
+            return k, v, self.mask
         # [Hkv, B * nblk, bs, D] -> [B, Hkv, S, D], contiguous per (row, head)
         k_all = self.pool.k[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
         v_all = self.pool.v[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
-        if self.keep < s:
-            k_all, v_all = k_all[:, :, : self.keep], v_all[:, :, : self.keep]
+        if self.cut is not None:
+            k_all, v_all = k_all[:, :, self.cut], v_all[:, :, self.cut]
         return k_all, v_all, self.mask

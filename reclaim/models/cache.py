@@ -3,6 +3,10 @@
 A model never owns inference state: whoever runs it passes an object with `update()`, which stores
 the new keys and values of one layer and hands back what the new queries may attend to. The
 engine's paged cache (reclaim/engine/kv_cache.py) and `DenseCache` below both implement it.
+
+A cache also owns the attention window: built with the model's `sliding_window`, its masks let a
+query at position p see keys at positions p - window < k <= p (transformers' Mistral convention:
+`window` keys, the query's own included). The model refuses a cache built for another window.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 
 class AttentionCache(Protocol):
     """What a decoder needs from a KV cache during one forward."""
+
+    sliding_window: int | None  # the window its masks apply; must equal the model config's
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -27,20 +33,30 @@ class AttentionCache(Protocol):
         ...
 
 
-def causal_mask(t: int, past: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, t, past + t] mask letting query i see keys 0..past + i."""
+def causal_mask(t: int, past: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[1, 1, t, past + t] mask letting query i see keys 0..past + i (the last `window` of them)."""
     q = torch.arange(t, device=device)[:, None] + past
     k = torch.arange(past + t, device=device)[None, :]
-    return (k <= q)[None, None]
+    ok = k <= q
+    if window is not None:
+        ok &= k > q - window
+    return ok[None, None]
+
+
+def needs_mask(t: int, past: int, window: int | None) -> bool:
+    """Whether t new tokens after `past` cached ones need an explicit mask (else plain causal)."""
+    return past > 0 or (window is not None and t > window)
 
 
 class DenseCache:
     """A contiguous per-layer cache for one batch whose rows all have the same length.
 
     Enough for tests, single-prompt decoding and training code; the engine uses paged blocks.
+    `sliding_window` must be the model config's (it keeps every key and masks the old ones).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
@@ -55,6 +71,6 @@ class DenseCache:
             v = torch.cat([self.values[layer], v], dim=2)
         self.keys[layer], self.values[layer] = k, v
         t = k.shape[2] - past
-        if past == 0:
+        if not needs_mask(t, past, self.sliding_window):
             return k, v, None
-        return k, v, causal_mask(t, past, k.device)
+        return k, v, causal_mask(t, past, k.device, self.sliding_window)
