@@ -28,3 +28,21 @@ def default_model_dir():
     from reclaim.models.loading import default_model_dir as find_or_convert
 
     return find_or_convert()
+
+
+def _scan_inputs(b=2, t=29, d=5, n=3, dtype=torch.float64):
+    import torch.nn.functional as F
+
+    x = torch.randn(b, t, d, dtype=dtype)
+    dt = F.softplus(torch.randn(b, t, d, dtype=dtype) - 1)
+    A = -torch.rand(d, n, dtype=dtype) * 2 - 0.1
+    B, C = torch.randn(b, t, n, dtype=dtype), torch.randn(b, t, n, dtype=dtype)
+    h0 = torch.randn(b, d, n, dtype=dtype)
+    return [v.requires_grad_() for v in (x, dt, A, B, C, h0)]
+
+
+@pytest.fixture
+def scan_inputs():
+    """make(b, t, d, n, dtype) -> [x, dt, A, B, C, h0]: random selective-scan inputs (float64,
+    requiring grad) with a stable A < 0 and a softplus-ed dt."""
+    return _scan_inputs

@@ -2,21 +2,11 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from reclaim.models.kernels import scan
 from reclaim.models.kernels.scan import linear_scan, selective_scan, selective_scan_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def inputs(b=2, t=29, d=5, n=3, dtype=torch.float64):
-    x = torch.randn(b, t, d, dtype=dtype)
-    dt = F.softplus(torch.randn(b, t, d, dtype=dtype) - 1)
-    A = -torch.rand(d, n, dtype=dtype) * 2 - 0.1
-    B, C = torch.randn(b, t, n, dtype=dtype), torch.randn(b, t, n, dtype=dtype)
-    h0 = torch.randn(b, d, n, dtype=dtype)
-    return [v.requires_grad_() for v in (x, dt, A, B, C, h0)]
 
 
 def grads(outs, ins, cots):
@@ -25,9 +15,9 @@ def grads(outs, ins, cots):
 
 @pytest.mark.parametrize("t", [1, 2, 5, 29, 64])
 @pytest.mark.parametrize("block_elements", [1 << 21, 60])  # one block, or many 16-token blocks
-def test_scan_equals_reference_forward_and_backward(t, block_elements, monkeypatch):
+def test_scan_equals_reference_forward_and_backward(scan_inputs, t, block_elements, monkeypatch):
     monkeypatch.setattr(scan, "BLOCK_ELEMENTS", block_elements)
-    ins = inputs(t=t)
+    ins = scan_inputs(t=t)
     y, h = selective_scan(*ins)
     yr, hr = selective_scan_ref(*ins)
     assert (y - yr).abs().max() <= 1e-12 and (h - hr).abs().max() <= 1e-12
@@ -36,22 +26,22 @@ def test_scan_equals_reference_forward_and_backward(t, block_elements, monkeypat
         assert (g - r).abs().max() <= 1e-12 * max(1.0, r.abs().max().item())
 
 
-def test_float32_scan_matches_float64_reference():
-    ins = inputs(t=200, d=8, n=16)
+def test_float32_scan_matches_float64_reference(scan_inputs):
+    ins = scan_inputs(t=200, d=8, n=16)
     y, h = selective_scan(*(v.detach().float() for v in ins))
     yr, hr = selective_scan_ref(*(v.detach() for v in ins))
     assert (y.double() - yr).abs().max() <= 1e-4 * yr.abs().max()
 
 
-def test_without_initial_state_starts_from_zero():
-    x, dt, A, B, C, _ = inputs(t=9)
+def test_without_initial_state_starts_from_zero(scan_inputs):
+    x, dt, A, B, C, _ = scan_inputs(t=9)
     y, h = selective_scan(x, dt, A, B, C)
     yr, hr = selective_scan_ref(x, dt, A, B, C, torch.zeros_like(h))
     assert torch.allclose(y, yr) and torch.allclose(h, hr)
 
 
-def test_split_sequence_with_carried_state_equals_whole():
-    x, dt, A, B, C, h0 = inputs(t=30)
+def test_split_sequence_with_carried_state_equals_whole(scan_inputs):
+    x, dt, A, B, C, h0 = scan_inputs(t=30)
     y, h = selective_scan(x, dt, A, B, C, h0)
     y1, h1 = selective_scan(x[:, :13], dt[:, :13], A, B[:, :13], C[:, :13], h0)
     y2, h2 = selective_scan(x[:, 13:], dt[:, 13:], A, B[:, 13:], C[:, 13:], h1)
@@ -70,8 +60,8 @@ def test_linear_scan_equals_loop(reverse):
     assert torch.allclose(got, torch.stack(ref, 1), atol=1e-13)
 
 
-def test_rejects_bad_shapes():
-    x, dt, A, B, C, h0 = inputs(t=4)
+def test_rejects_bad_shapes(scan_inputs):
+    x, dt, A, B, C, h0 = scan_inputs(t=4)
     with pytest.raises(ValueError, match="A"):
         selective_scan(x, dt, A[:, :2], B, C, h0)
     with pytest.raises(ValueError, match="dt"):

@@ -2,22 +2,12 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from reclaim.models.kernels import scan
 from reclaim.models.kernels.scan import selective_scan, selective_scan_ref
 from reclaim.ssm.window import Window, scan_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def inputs(b=2, t=29, d=5, n=3, dtype=torch.float64):
-    x = torch.randn(b, t, d, dtype=dtype)
-    dt = F.softplus(torch.randn(b, t, d, dtype=dtype) - 1)
-    A = -torch.rand(d, n, dtype=dtype) * 2 - 0.1
-    B, C = torch.randn(b, t, n, dtype=dtype), torch.randn(b, t, n, dtype=dtype)
-    h0 = torch.randn(b, d, n, dtype=dtype)
-    return [v.requires_grad_() for v in (x, dt, A, B, C, h0)]
 
 
 def grads(outs, ins, cots):
@@ -41,9 +31,9 @@ def truncated_oracle(ins, gy, w):
 
 @pytest.mark.parametrize("w", [1, 3, 7])
 @pytest.mark.parametrize("block_elements", [1 << 21, 60])
-def test_truncated_adjoint_equals_windowed_backprop(w, block_elements, monkeypatch):
+def test_truncated_adjoint_equals_windowed_backprop(scan_inputs, w, block_elements, monkeypatch):
     monkeypatch.setattr(scan, "BLOCK_ELEMENTS", block_elements)
-    ins = inputs(t=37)
+    ins = scan_inputs(t=37)
     y, _ = scan_for(Window(w))(*ins)
     gy = torch.randn_like(y)
     got = grads([y], ins[:5], [gy])
@@ -51,8 +41,8 @@ def test_truncated_adjoint_equals_windowed_backprop(w, block_elements, monkeypat
         assert (g - r).abs().max() <= 1e-11 * r.abs().max()
 
 
-def test_window_covering_the_sequence_is_exact():
-    ins = inputs(t=21)
+def test_window_covering_the_sequence_is_exact(scan_inputs):
+    ins = scan_inputs(t=21)
     y, h = scan_for(Window(21))(*ins)
     yr, hr = selective_scan(*ins)
     gy, gh = torch.randn_like(y), torch.randn_like(h)
