@@ -79,7 +79,7 @@ def cli_ids(tokenizer, monkeypatch, argv: list[str], stdin: str | None = None) -
         seen.append(list(prompt))
         return SimpleNamespace(text="ok")
 
-    monkeypatch.setattr(reclaim.cli, "_engine", lambda model: SimpleNamespace(tokenizer=tokenizer))
+    monkeypatch.setattr(reclaim.cli, "_engine", lambda *args, **kwargs: SimpleNamespace(tokenizer=tokenizer))
     monkeypatch.setattr(quickstart, "stream", fake_stream)
     result = CliRunner().invoke(reclaim.cli.app, argv, input=stdin)
     assert result.exit_code == 0, result.output
