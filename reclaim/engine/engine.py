@@ -28,6 +28,9 @@ from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import make_generator, sample_each, token_logprobs
+from reclaim.engine.speculative import (
+    Draft, Drafter, DraftRequest, SpeculativeConfig, accept, make_drafter,
+)
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 from reclaim.models.llama import ForwardOutput
 
@@ -72,6 +75,8 @@ class Engine:
         on_forward: Callable[[list[ForwardRecord]], None] | None = None,
         head: str = "auto",
         kv_on_weight_update: str = "recompute",
+        speculative: SpeculativeConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -100,6 +105,9 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.on_forward = on_forward
         self.kv_on_weight_update = kv_on_weight_update
+        self.speculative = speculative
+        self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
+        self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0}
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
@@ -177,6 +185,7 @@ class Engine:
             "num_preemptions": self.num_preemptions,
             "num_request_errors": self.num_request_errors,
             "weights_version": self.weights_version,
+            **{f"spec_{k}": v for k, v in self.spec_stats.items()},
         }
 
     # ---- stepping ----
@@ -185,19 +194,20 @@ class Engine:
         """Run one scheduler step; returns an output for every request that changed."""
         with self._step_lock:
             outputs = self._drain_inbox()
-            sched = self.scheduler.schedule()
+            spec = self.speculative
+            speculate = spec is not None and len(self.scheduler.running) <= spec.max_batch
+            sched = self.scheduler.schedule(spec.num_speculative_tokens if speculate else 0)
             self.last_schedule = sched
             self.num_preemptions += len(sched.preempted)
             if not sched.chunks:
                 return outputs
-            for rid, token, lp in self._execute(sched.chunks):
+            for rid, tokens, lps in self._execute(sched.chunks):
                 req = self._requests[rid]
-                if isinstance(token, Exception):
-                    outputs.append(self._fail(req, token))
+                if isinstance(tokens, Exception):
+                    outputs.append(self._fail(req, tokens))
                     continue
                 try:
-                    out = commit(req, [token], [lp], self.weights_version, self.eos_token_ids,
-                                 self.max_model_len)
+                    out = commit(req, tokens, lps, self.weights_version, self.eos_token_ids, self.max_model_len)
                 except Exception as exc:  # noqa: BLE001 - its detokenizer or stop strings: it alone fails
                     outputs.append(self._fail(req, exc))
                     continue
@@ -225,6 +235,8 @@ class Engine:
         """Forget a finished request and free its blocks."""
         self.scheduler.remove(req.seq.request_id)
         del self._requests[req.seq.request_id]
+        if self.drafter is not None:
+            self.drafter.release(req.seq.request_id)
 
     def _fail(self, req: RequestState, exc: Exception) -> RequestOutput:
         """End one request with finish_reason 'error' (the others in the step go on)."""
@@ -238,33 +250,87 @@ class Engine:
             return RequestOutput(req.seq.request_id, [], "", None, True, "error", self.weights_version,
                                  req.first_version or self.weights_version, error=req.error)
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> list[tuple[str, int | Exception, TokenLogprob | None]]:
-        """Run the chunks' forwards and sample where a chunk ends its sequence: (request id,
-        token or the exception that failed its sampling, logprob)."""
-        rows = [Row(c.request_id, c.start, self._requests[c.request_id].seq.token_ids[c.start:c.start + c.num_tokens])
-                for c in chunks]
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[tuple[str, list[int] | Exception, list | None]]:
+        """Run the chunks' forwards (decodes with a draft verify it in the same forward) and choose
+        the tokens of each chunk that ends its sequence: (request id, tokens to commit or the
+        exception that failed that request alone, their logprobs or None)."""
+        drafts = self._drafts(chunks)
+        rows = []
+        for c in chunks:
+            seq = self._requests[c.request_id].seq
+            rows.append(Row(c.request_id, c.start, seq.token_ids[c.start:c.start + c.num_tokens]
+                            + drafts.get(c.request_id, Draft()).tokens))
         with torch.inference_mode():
             hidden = self.runner.run(rows)
             if self.on_forward is not None:
                 self.on_forward([
-                    ForwardRecord(c.request_id, c.start, r.token_ids, h, list(self.blocks.tables[c.request_id]),
-                                  c.is_prefill, self.weights_version)
+                    ForwardRecord(c.request_id, c.start, r.token_ids[: c.num_tokens], h[: c.num_tokens],
+                                  list(self.blocks.tables[c.request_id]), c.is_prefill, self.weights_version)
                     for c, r, h in zip(chunks, rows, hidden)
                 ])
+            for c, r, h in zip(chunks, rows, hidden):
+                if not c.sample and self.drafter is not None:
+                    self.drafter.observe(c.request_id, c.start, r.token_ids, h)
             sampling = [i for i, c in enumerate(chunks) if c.sample]
             if not sampling:
                 return []
+            # Logits where tokens are chosen: a chunk's last token, and every draft token after it.
+            spans = [(chunks[i].num_tokens - 1, len(rows[i].token_ids)) for i in sampling]
+            x = self.runner.logits(torch.cat([hidden[i][a:b] for i, (a, b) in zip(sampling, spans)]))
+            per_row = list(torch.split(x, [b - a for a, b in spans]))
             reqs = [self._requests[chunks[i].request_id] for i in sampling]
-            x = self.runner.logits(torch.stack([hidden[i][-1] for i in sampling]))
-            params = [r.seq.params for r in reqs]
-            tokens = sample_each(x, params, [r.generator for r in reqs], self.generator)
-            lps: list[TokenLogprob | None] = [None] * len(reqs)
-            want = [i for i, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[i], int)]
-            if want:
-                got = token_logprobs(x[want], [tokens[i] for i in want], [params[i].logprobs for i in want])
-                for i, lp in zip(want, got):
-                    lps[i] = lp
-        return [(r.seq.request_id, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
+            plain = [j for j, i in enumerate(sampling) if chunks[i].request_id not in drafts]
+            chosen: list[list[int] | Exception] = [[] for _ in sampling]
+            if plain:
+                got = sample_each(torch.stack([per_row[j][0] for j in plain]), [reqs[j].seq.params for j in plain],
+                                  [reqs[j].generator for j in plain], self.generator)
+                for j, t in zip(plain, got):
+                    chosen[j] = t if isinstance(t, Exception) else [t]
+            for j, i in enumerate(sampling):
+                if chunks[i].request_id in drafts:
+                    chosen[j] = self._verify(chunks[i], reqs[j], per_row[j], drafts[chunks[i].request_id], hidden[i])
+                elif self.drafter is not None and not isinstance(chosen[j], Exception):
+                    c = chunks[i]
+                    self.drafter.observe(c.request_id, c.start, rows[i].token_ids, hidden[i])
+            out = []
+            for j, req in enumerate(reqs):
+                lps = None
+                if req.seq.params.logprobs is not None and not isinstance(chosen[j], Exception):
+                    n = len(chosen[j])
+                    lps = token_logprobs(per_row[j][:n], chosen[j], [req.seq.params.logprobs] * n)
+                out.append((req.seq.request_id, chosen[j], lps))
+        return out
+
+    def _drafts(self, chunks: list[ScheduledChunk]) -> dict[str, Draft]:
+        """Drafts for the decodes the scheduler left room for (empty drafts dropped)."""
+        asks = [DraftRequest(c.request_id, self._requests[c.request_id].seq.token_ids, c.lookahead,
+                             self._requests[c.request_id].seq.params, self._requests[c.request_id].generator)
+                for c in chunks if c.lookahead > 0]
+        if not asks:
+            return {}
+        drafts = {}
+        for ask, d in zip(asks, self.drafter.propose(asks)):
+            if d.tokens:
+                drafts[ask.seq_id] = Draft(d.tokens[: ask.max_tokens],
+                                           None if d.q is None else d.q[: ask.max_tokens])
+        return drafts
+
+    def _verify(self, chunk: ScheduledChunk, req: RequestState, logits: torch.Tensor, draft: Draft,
+                hidden: torch.Tensor) -> list[int] | Exception:
+        """Accept a prefix of the draft (lossless rule); roll the cache back over the rest."""
+        try:
+            tokens = accept(logits, draft, req.seq.params, req.generator, self.generator)
+        except Exception as exc:  # noqa: BLE001 - this request alone fails
+            return exc
+        kept = len(tokens)  # the pending token and len(tokens) - 1 accepted draft tokens are cached
+        req.seq.num_computed = chunk.start + kept
+        self.spec_stats["verifies"] += 1
+        self.spec_stats["drafted"] += len(draft.tokens)
+        self.spec_stats["accepted"] += kept - 1
+        if self.drafter is not None:
+            self.drafter.observe(req.seq.request_id, chunk.start, req.seq.token_ids[chunk.start:] + tokens[:-1],
+                                 hidden[:kept])
+        return tokens
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits from final hidden states [..., H], as the model's lm_head computes them."""

@@ -43,6 +43,7 @@ class ScheduledChunk:
     num_tokens: int
     sample: bool  # the chunk reaches the sequence's last token: sample the next one
     is_prefill: bool = False  # the chunk starts inside the prompt
+    lookahead: int = 0  # draft tokens a decode may verify after its token (blocks and budget held)
 
 
 @dataclass
@@ -116,13 +117,16 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: int = 0) -> SchedulerOutput:
         """Pick this step's chunks, decode first: every running sequence that needs one token gets
         it (preempting the newest under block pressure), then running prefills (chunked) and
         waiting sequences share what is left of the token budget, oldest first. A long prompt
         therefore never delays the streams already decoding by more than one budget's forward.
 
-        Advances each scheduled sequence's `num_computed`, as the engine will run the chunk.
+        lookahead: room for up to that many speculative tokens after each decode (capped by the
+        context and the request's max_tokens); a decode whose extra blocks are not free gets none.
+        Advances each scheduled sequence's `num_computed`, as the engine will run the chunk (the
+        engine moves it back over draft tokens it rejects).
         """
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -140,8 +144,10 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append(self._chunk(seq, 1))
-                budget -= 1
+                chunk = self._chunk(seq, 1)
+                chunk.lookahead = self._lookahead(seq, min(lookahead, budget - 1))
+                chunks.append(chunk)
+                budget -= 1 + chunk.lookahead
                 i += 1
         for seq in self.running:  # prefills under way (chunked) and recomputes; decodes are done
             left = seq.num_tokens - seq.num_computed
@@ -162,6 +168,14 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             budget -= n
         return SchedulerOutput(chunks, preempted)
+
+    def _lookahead(self, seq: Sequence, want: int) -> int:
+        """Draft tokens worth verifying after `seq`'s decode, with their blocks allocated."""
+        left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens)  # incl. this step's
+        n = max(0, min(want, left - 1, self.max_model_len - seq.num_tokens - 1))
+        while n > 0 and not self.blocks.allocate(seq.request_id, seq.num_computed + n):
+            n //= 2
+        return n
 
     def recompute_all(self) -> None:
         """Forget every running sequence's cached K/V (keeping its blocks): the next steps run

@@ -1,0 +1,170 @@
+"""Speculative decoding: drafters propose, one target forward verifies, a lossless rule accepts.
+
+A step with speculation gives each chosen decode a row of [pending token, d_1, ..., d_L]; the
+target's logits at those L + 1 positions verify the draft. `accept` keeps d_i with probability
+min(1, p_i(d_i) / q_i(d_i)) and on the first rejection draws from norm(max(0, p_i - q_i)); if all
+L pass it draws a bonus token from p_{L+1}. p is the target's processed distribution (after
+temperature, top-k, top-p, min-p), q the drafter's (one-hot for a deterministic drafter), so the
+output is distributed exactly as plain sampling of the target (Leviathan et al. 2023, Chen et al.
+2023). Greedy rows accept while d_i is the target's argmax, so their output equals plain greedy.
+
+Drafters share one small interface: `propose` returns each sequence's draft tokens (and q),
+`observe` is handed the target's final hidden states of every position it computed and kept
+(EAGLE drafts from them), `release` forgets a sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from reclaim.engine.request import SamplingParams
+from reclaim.engine.sampling import probs, sanitize
+
+SPECULATIVE_METHODS = ("ngram", "eagle")
+
+
+@dataclass
+class SpeculativeConfig:
+    """What speculates and how much; names follow vLLM's `speculative_config`."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    max_batch: int = 4  # speculation turns off while more sequences than this are running
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to look up
+    prompt_lookup_max: int = 4  # ngram: longest suffix to look up
+    model: str | None = None  # eagle: drafter directory
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is unknown; allowed: {list(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}; allowed: 1 to 64")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch={self.max_batch}; allowed: >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
+                             f"{self.prompt_lookup_max}; need 1 <= min <= max")
+        if self.method == "eagle" and not self.model:
+            raise ValueError("speculative method 'eagle' needs a drafter directory (model=PATH)")
+
+
+@dataclass
+class DraftRequest:
+    """One sequence asking for a draft: its tokens so far (the last one not yet run by the target)."""
+
+    seq_id: str
+    token_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and the drafter's distribution for each, [len(tokens), V] (None: one-hot)."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """What the engine needs from a drafter."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """A draft of at most `max_tokens` tokens per request."""
+        ...
+
+    def observe(self, seq_id: str, start: int, token_ids: list[int], hidden: torch.Tensor) -> None:
+        """The target's final hidden states [len(token_ids), H] at positions start, start + 1, ..."""
+        ...
+
+    def release(self, seq_id: str) -> None:
+        """The sequence finished or was aborted."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest recent suffix (prompt_lookup_max down to _min tokens) that occurred
+    earlier in the sequence proposes what followed its latest earlier occurrence. No model."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft(self._lookup(r.token_ids, r.max_tokens)) for r in requests]
+
+    def _lookup(self, ids: list[int], k: int) -> list[int]:
+        n_ids = len(ids)
+        for n in range(min(self.max_n, n_ids - 1), self.min_n - 1, -1):
+            suffix = ids[n_ids - n:]
+            for start in range(n_ids - n - 1, -1, -1):  # latest earlier occurrence first
+                if ids[start:start + n] == suffix:
+                    return ids[start + n:start + n + k]
+        return []
+
+    def observe(self, seq_id: str, start: int, token_ids: list[int], hidden: torch.Tensor) -> None:
+        pass
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+
+def _uniform(generator: torch.Generator | None, fallback: torch.Generator | None) -> float:
+    return torch.rand((), generator=generator or fallback, dtype=torch.float64).item()
+
+
+def _draw(dist: torch.Tensor, generator: torch.Generator | None, fallback: torch.Generator | None) -> int:
+    """One token from a distribution [V] (float64, sums to ~1)."""
+    cdf = dist.cumsum(0)
+    u = _uniform(generator, fallback) * cdf[-1].item()
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True).item())
+    return min(idx, int((dist > 0).nonzero().max()))
+
+
+def accept(
+    logits: torch.Tensor,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    fallback: torch.Generator | None = None,
+) -> list[int]:
+    """Tokens to commit after verifying `draft` with the target's logits [L + 1, V] at the pending
+    token and each draft token: the accepted prefix of the draft plus one token from the target."""
+    n = len(draft.tokens)
+    if params.greedy:
+        target = sanitize(logits[: n + 1]).argmax(-1).tolist()
+        out = []
+        for d, t in zip(draft.tokens, target):
+            if d != t:
+                break
+            out.append(d)
+        return out + [target[len(out)]]
+    p = probs(logits[: n + 1], [params] * (n + 1))
+    out = []
+    for i, d in enumerate(draft.tokens):
+        q_d = 1.0 if draft.q is None else float(draft.q[i, d])
+        p_d = float(p[i, d])
+        if q_d > 0 and _uniform(generator, fallback) < min(1.0, p_d / q_d):
+            out.append(d)
+            continue
+        if draft.q is None:
+            residual = p[i].clone()
+            residual[d] = 0.0
+        else:
+            residual = (p[i] - draft.q[i].to(p.dtype)).clamp(min=0)
+        if residual.sum() <= 0:  # p == q: nothing to correct towards; p itself is the answer
+            residual = p[i]
+        return out + [_draw(residual / residual.sum(), generator, fallback)]
+    return out + [_draw(p[n], generator, fallback)]
+
+
+def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) -> Drafter:
+    """The drafter a config names."""
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    from reclaim.engine.eagle import EagleDrafter
+
+    return EagleDrafter.load(cfg.model, target)

@@ -1,0 +1,212 @@
+"""Speculative decoding against its oracles: greedy output identical to plain decoding (with stop
+strings, EOS and max_tokens inside drafts, preemption, abort), sampled output distributed as plain
+sampling (a chi-square test that a deliberately wrong acceptance rule fails), blocks all freed."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import TINY, make_pair
+from reclaim.engine.engine import Engine
+from reclaim.engine.request import SamplingParams
+from reclaim.engine.speculative import Draft, DraftRequest, NgramDrafter, SpeculativeConfig, accept
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64, prompt_lookup_max=3)
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(2, TINY["vocab_size"]) for _ in range(rng.randrange(2, 6))]
+        out.append((base * 4)[: rng.randrange(3, 16)])  # repetitive, so prompt lookup finds drafts
+    return out
+
+
+def _engine(model, tok=None, **kw):
+    return Engine(model, tok, **{"num_blocks": 128, "block_size": 4, **kw})
+
+
+def _run(eng, prompts, params):
+    return [o.token_ids for o in eng.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_ngram_equals_plain_over_50_prompts(tiny, batch):
+    ours, _ = tiny
+    prompts = _prompts(50)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain, spec = _engine(ours), _engine(ours, speculative=NGRAM, max_num_seqs=batch)
+    for i in range(0, 50, batch):
+        assert _run(spec, prompts[i:i + batch], params) == _run(plain, prompts[i:i + batch], params)
+    s = spec.stats()
+    assert s["spec_verifies"] > 0 and s["spec_accepted"] > 0  # it did speculate, and drafts landed
+    assert s["kv_blocks_used"] == 0
+
+
+def test_stop_eos_and_max_tokens_inside_drafts_match_plain(tiny, toy_tokenizer):
+    ours, _ = tiny
+    prompts = _prompts(20, seed=1)
+    plain_free = _engine(ours, toy_tokenizer).generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for k, o in enumerate(plain_free):  # EOS = a token the output really produces mid-draft
+        eos = o.token_ids[5 + k % 7]
+        stop = o.text[3 + k % 5: 5 + k % 5]
+        for params in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[eos]),
+                       SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True),
+                       SamplingParams(temperature=0, max_tokens=3 + k % 9, ignore_eos=True, logprobs=2)):
+            a = _engine(ours, toy_tokenizer).generate([prompts[k]], params)[0]
+            b = _engine(ours, toy_tokenizer, speculative=NGRAM).generate([prompts[k]], params)[0]
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            if params.logprobs:
+                assert [lp.token_id for lp in b.logprobs] == b.token_ids
+                for x, y in zip(a.logprobs, b.logprobs):
+                    assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def test_preemption_and_abort_mid_speculation(tiny):
+    ours, _ = tiny
+    prompts = _prompts(10, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = _run(_engine(ours), prompts, params)
+    eng = _engine(ours, num_blocks=20, max_model_len=48, speculative=NGRAM)  # ~2 sequences fit
+    assert _run(eng, prompts, params) == want
+    assert eng.stats()["num_preemptions"] > 0 and eng.blocks.num_free == 20
+    eng.add_request("a", prompts[0], params)
+    eng.add_request("b", prompts[1], params)
+    for _ in range(3):
+        eng.step()
+    eng.abort_request("a")
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert done["a"].finish_reason == "abort" and done["b"].token_ids == want[1]
+    assert eng.blocks.num_free == 20
+
+
+def test_speculation_turns_off_above_max_batch(tiny):
+    ours, _ = tiny
+    eng = _engine(ours, speculative=SpeculativeConfig(method="ngram", max_batch=2))
+    eng.generate(_prompts(6, seed=3), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert eng.stats()["spec_verifies"] == 0
+
+
+# ---- the acceptance rule, alone: sampled output distributed as the target's ----
+
+V = 6
+
+
+class _FixedDrafter:
+    """Drafts from a fixed distribution q (random draws), so acceptance is exercised everywhere."""
+
+    def __init__(self, q: torch.Tensor, k: int, seed: int = 0) -> None:
+        self.q, self.k, self.g = q, k, torch.Generator().manual_seed(seed)
+
+    def draft(self) -> Draft:
+        toks = torch.multinomial(self.q, self.k, replacement=True, generator=self.g).tolist()
+        return Draft(toks, self.q.expand(self.k, V).double())
+
+
+def _wrong_accept(logits, draft, params, generator=None, fallback=None):
+    """The classic near-miss: accept with min(1, p/q), but on rejection draw from p itself
+    instead of the residual norm(max(0, p - q))."""
+    from reclaim.engine.sampling import probs
+
+    p = probs(logits[:1], [params])[0]
+    d = draft.tokens[0]
+    if torch.rand((), generator=generator, dtype=torch.float64) < min(1.0, float(p[d] / draft.q[0, d])):
+        return [d]
+    return [int(torch.multinomial(p.float(), 1, generator=generator).item())]
+
+
+CHI2_CRITICAL_5DF = 20.52  # p = 0.001 for 5 degrees of freedom (V = 6): fixed before running
+
+
+def _chi2(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    n = counts.sum()
+    exp = expected_p * n
+    keep = exp > 0
+    assert counts[~keep].sum() == 0, "a token the target gives no mass came out"
+    return float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=4),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, min_p=0.1, top_k=5, top_p=0.9),
+])
+@pytest.mark.parametrize("rule", ["right", "wrong"])
+def test_first_token_distribution_matches_target(params, rule):
+    from reclaim.engine.sampling import probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(V, generator=g) * 2, -1).double()
+    drafter = _FixedDrafter(q, k=1)
+    target = probs(logits[:1], [params])[0]
+    n = 5000
+    gen = torch.Generator().manual_seed(1)
+    fn = accept if rule == "right" else _wrong_accept
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(n):
+        counts[fn(logits, drafter.draft(), params, gen)[0]] += 1
+    stat = _chi2(counts, target) if (counts[target == 0] == 0).all() else float("inf")
+    if rule == "right":
+        assert stat < CHI2_CRITICAL_5DF, (stat, counts / n, target)
+    else:
+        assert stat > CHI2_CRITICAL_5DF, ("the chi-square test cannot tell a wrong rule apart", stat)
+
+
+def test_engine_sampled_speculative_matches_plain_distribution():
+    """End to end through the engine on a tiny-vocabulary model: the second generated token's
+    distribution (after a draft was verified) equals plain sampling's, by chi-square."""
+    ours, _ = make_pair(seed=4, vocab_size=8)
+    params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True)
+    prompt = [3, 5, 3, 5, 3]
+
+    class Always:  # a deterministic draft that is sometimes right: [5, 3]
+        def propose(self, reqs):
+            return [Draft([5, 3][: r.max_tokens]) for r in reqs]
+
+        def observe(self, *a):
+            pass
+
+        def release(self, *a):
+            pass
+
+    n = 1500
+    plain = _engine(ours, max_num_seqs=64, seed=1)
+    spec = _engine(ours, max_num_seqs=64, seed=2, speculative=SpeculativeConfig(max_batch=64, num_speculative_tokens=2),
+                   drafter=Always())
+    def hist(eng):
+        outs = eng.generate([prompt] * n, params)
+        c = torch.zeros(8, 8, dtype=torch.float64)
+        for o in outs:
+            c[o.token_ids[0], o.token_ids[1]] += 1
+        return c
+    a, b = hist(plain), hist(spec)
+    assert spec.stats()["spec_accepted"] > 0
+    # Two-sample chi-square over the joint of the first two tokens, cells with enough counts.
+    keep = (a + b) >= 10
+    pooled = (a + b)[keep] / (2 * n)
+    stat = float((((a[keep] - n * pooled) ** 2 + (b[keep] - n * pooled) ** 2) / (n * pooled)).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09  # the 0.999 quantile of N(0, 1); Wilson-Hilferty's chi-square quantile from it
+    critical = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert stat < critical, (stat, df, critical)
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    d = NgramDrafter(1, 3)
+    req = lambda ids, k: DraftRequest("s", ids, k, SamplingParams())  # noqa: E731
+    assert d.propose([req([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3)])[0].tokens == [7, 1, 2]
+    assert d.propose([req([4, 5, 6], 3)])[0].tokens == []
+
+
+def test_bad_speculative_config_is_refused_by_name():
+    with pytest.raises(ValueError, match="'medusa' is unknown; allowed"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="needs a drafter directory"):
+        SpeculativeConfig(method="eagle")
