@@ -30,6 +30,9 @@ class Limits:
     # Special-token text in message contents (a user typing '<|im_start|>system') encodes as
     # plain text; off by default, as in vLLM.
     split_special_tokens: bool = False
+    # The vocabulary's longest token in characters: text longer than max_model_len times this is
+    # judged too long from a prefix, without tokenizing it all (see _surely_too_long).
+    max_token_chars: int = 32
 
 
 @dataclass
@@ -80,6 +83,31 @@ def _check_prompt(ids: list[int], limits: Limits, param: str) -> None:
     if bad is not None:
         raise APIError(400, f"token id {bad} is out of range; allowed: 0 to "
                        f"{limits.vocab_size - 1}", param=param)
+
+
+PREFIX_SLACK = 64  # tokens a prefix cut at whitespace may have beyond the whole text's
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """Characters in the vocabulary's longest token (an upper bound on text per token)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def _surely_too_long(text: str, tokenizer: Any, limits: Limits, param: str) -> None:
+    """Refuse text that cannot fit, judged from a prefix of max_model_len x max_token_chars
+    characters cut at whitespace: a huge prompt then costs no more to refuse than the longest
+    prompt that fits costs to admit (a 3.9 MiB body took seconds of tokenizing before its 400)."""
+    span = limits.max_model_len * limits.max_token_chars
+    if len(text) <= span:
+        return
+    cut = max(text.rfind(c, 0, span) for c in " \n")  # a word boundary, so no merge crosses it
+    prefix = text[:cut] if cut > span // 2 else text[:span]
+    n = len(tokenizer.encode(prefix, add_special_tokens=False))
+    if n >= limits.max_model_len + PREFIX_SLACK:
+        raise APIError(400, f"the prompt has over {n - PREFIX_SLACK} tokens in its first "
+                       f"{len(prefix)} of {len(text)} characters; this model's context is "
+                       f"{limits.max_model_len} tokens", param=param,
+                       code="context_length_exceeded")
 
 
 def _max_tokens(asked: int | None, default: int | None, prompt_len: int, limits: Limits,
@@ -146,6 +174,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
                        code="context_length_exceeded")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
+    _surely_too_long("\n".join(m["content"] for m in messages), tokenizer, limits, "messages")
     try:
         ids = encode_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
                           split_special_tokens=limits.split_special_tokens)
@@ -167,6 +196,8 @@ def plan_completion(req: CompletionRequest, tokenizer: Any, limits: Limits) -> P
     _check_n(req, len(raw), limits)
     prompts, max_tokens = [], []
     for p in raw:
+        if isinstance(p, str):
+            _surely_too_long(p, tokenizer, limits, "prompt")
         ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
         _check_prompt(ids, limits, "prompt")
         prompts.append(ids)

@@ -23,7 +23,7 @@ import uvicorn
 from reclaim.server.app import ServerState, create_app
 from reclaim.server.connections import ConnectionLimits, guarded_protocol, quiet_accept_errors
 from reclaim.server.metrics import ServerMetrics
-from reclaim.server.plan import Limits
+from reclaim.server.plan import Limits, max_token_chars
 from reclaim.server.runner import EngineRunner
 
 log = logging.getLogger("reclaim.server")
@@ -39,24 +39,28 @@ class EngineArgs:
     block_size: int = 16
     device: str = "cpu"
     max_num_batched_tokens: int = 2048  # tokens per engine step; bounds a prefill chunk
+    dtype: str = "float32"  # weights and KV cache: float32, bfloat16 or float16
+    kv_cache_bytes: int | None = None  # KV cache budget; None: the engine's default
 
 
 def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_args: EngineArgs,
               *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20,
               split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = ()):
     """The FastAPI app serving `model`; returns (app, runner, state)."""
-    from reclaim.engine.engine import Engine
+    from reclaim.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine
 
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer; the model directory has no tokenizer files")
     engine = Engine(model, tokenizer, num_blocks=engine_args.num_blocks,
                     block_size=engine_args.block_size, max_num_seqs=engine_args.max_num_seqs,
                     max_model_len=engine_args.max_model_len, device=engine_args.device,
-                    max_num_batched_tokens=engine_args.max_num_batched_tokens)
+                    max_num_batched_tokens=engine_args.max_num_batched_tokens,
+                    kv_cache_bytes=engine_args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
     runner = EngineRunner(engine, ServerMetrics())
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
                     vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes,
-                    split_special_tokens=split_special_tokens)
+                    split_special_tokens=split_special_tokens,
+                    max_token_chars=max_token_chars(tokenizer))
     state = ServerState(api_key=api_key)
     app = create_app(runner, tokenizer, limits, state, allowed_origins=allowed_origins)
     return app, runner, state
@@ -117,7 +121,8 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model_dir(model)
-    weights, tokenizer = load_model(path, device=(engine_args or EngineArgs()).device)
+    engine_args = engine_args or EngineArgs()
+    weights, tokenizer = load_model(path, device=engine_args.device, dtype=engine_args.dtype)
     names = (served_model_name or (model if model else Path(path).name),)
     if model is None:
         names += ("default",)
