@@ -165,6 +165,6 @@ def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) 
     """The drafter a config names."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    from reclaim.engine.eagle import EagleDrafter
+    from reclaim.engine.eagle import EagleProposer
 
-    return EagleDrafter.load(cfg.model, target)
+    return EagleProposer.load(cfg.model, target)

@@ -1,0 +1,123 @@
+"""The EAGLE drafter in the engine: lossless (greedy equals plain decoding), its cache kept in step
+with the target (each draft equals one computed from scratch over the true hidden states), and
+its checkpoint in the EAGLE layout vLLM and SGLang load."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_pair
+from reclaim.engine.eagle import EagleProposer
+from reclaim.engine.engine import Engine
+from reclaim.engine.request import SamplingParams
+from reclaim.engine.speculative import SpeculativeConfig
+from reclaim.models.cache import DenseCache
+from reclaim.models.drafter import load_drafter, new_drafter, save_drafter
+from test_speculative import _prompts
+
+SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch=64)  # drafter passed in
+
+
+@pytest.fixture(scope="module")
+def target_and_drafter():
+    target, _ = make_pair(seed=1)
+    torch.manual_seed(2)
+    drafter = new_drafter(target)
+    with torch.no_grad():  # lean the drafter on the token embedding, so some drafts land
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, : target.config.hidden_size] = torch.eye(target.config.hidden_size) * 3
+    return target, drafter
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_eagle_equals_plain_over_50_prompts(target_and_drafter, batch):
+    target, drafter = target_and_drafter
+    prompts = _prompts(50, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
+    eng = Engine(target, num_blocks=128, block_size=4, max_num_seqs=batch, speculative=SPEC,
+                 drafter=EagleProposer(drafter, target))
+    spec = []
+    for i in range(0, 50, batch):
+        spec += eng.generate(prompts[i:i + batch], params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    s = eng.stats()
+    assert s["spec_verifies"] > 0 and s["kv_blocks_used"] == 0
+    assert not eng.drafter._states  # every sequence released its drafter state
+
+
+def _from_scratch(target, drafter, ids, k):
+    """The greedy draft after `ids` (last one pending), computed with no state carried over."""
+    n = len(ids) - 1
+    with torch.no_grad():
+        f = target(torch.tensor([ids[:n]]), return_hidden=True, compute_logits=False).hidden
+        cache = DenseCache()
+        emb = target.model.embed_tokens
+        g = drafter(emb(torch.tensor([ids[1:n + 1]])), f, torch.arange(n)[None], cache)[0, -1]
+        out = []
+        for j in range(k):
+            tok = int(target.lm_head(g).argmax())
+            out.append(tok)
+            g = drafter(emb(torch.tensor([[tok]])), g[None, None], torch.tensor([[n + j]]), cache)[0, -1]
+    return out
+
+
+def test_drafter_state_follows_the_target(target_and_drafter):
+    """Drafts made incrementally (after accepts, rejects, chunked prefill and a preemption) equal
+    drafts computed from scratch over the target's true hidden states."""
+    target, drafter = target_and_drafter
+    proposer = EagleProposer(drafter, target)
+    seen = []
+    propose = proposer.propose
+
+    def recording(reqs):
+        drafts = propose(reqs)
+        seen.extend((list(r.token_ids), d.tokens) for r, d in zip(reqs, drafts))
+        return drafts
+
+    proposer.propose = recording
+    eng = Engine(target, num_blocks=14, block_size=4, max_model_len=40, max_num_batched_tokens=7,
+                 speculative=SPEC, drafter=proposer)
+    eng.generate(_prompts(8, seed=6), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    s = eng.stats()
+    assert s["num_preemptions"] > 0 and len(seen) > 20 and 0 < s["spec_accepted"] < s["spec_drafted"], s
+    for ids, tokens in seen[::3]:
+        assert tokens == _from_scratch(target, drafter, ids, len(tokens))
+
+
+def test_sampled_eagle_matches_plain_distribution():
+    from test_speculative import _joint_chi2_passes
+
+    target, _ = make_pair(seed=4, vocab_size=8)
+    torch.manual_seed(3)
+    proposer = EagleProposer(new_drafter(target), target)
+    assert _joint_chi2_passes(target, proposer)
+
+
+def test_drafter_round_trip_in_eagle_layout(tmp_path, target_and_drafter):
+    target, drafter = target_and_drafter
+    path = save_drafter(drafter, tmp_path / "d")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
+    keys = set(load_file(str(path / "model.safetensors")))
+    assert "fc.weight" in keys and all(k == "fc.weight" or k.startswith("layers.0.") for k in keys)
+    assert "layers.0.input_layernorm.weight" not in keys  # EAGLE's first layer has no input norm
+    again = load_drafter(path, target)
+    for (k, a), (k2, b) in zip(drafter.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+
+
+def test_drafter_that_does_not_fit_is_refused(tmp_path, target_and_drafter):
+    target, drafter = target_and_drafter
+    path = save_drafter(drafter, tmp_path / "d")
+    other, _ = make_pair(seed=1, hidden_size=32, intermediate_size=64)
+    with pytest.raises(ValueError, match="hidden_size=64 but the target has hidden_size=32"):
+        load_drafter(path, other)
+    small_vocab, _ = make_pair(seed=1, vocab_size=50)
+    with pytest.raises(ValueError, match="vocab_size=96 but the target has vocab_size=50"):
+        load_drafter(path, small_vocab)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        Engine(target, num_blocks=32, block_size=4, max_model_len=64,
+               speculative=SpeculativeConfig(method="eagle", model=str(tmp_path / "nowhere")))
