@@ -13,6 +13,43 @@ app.add_typer(bench_app, name="bench")
 # ---- inference: generate, chat, demo (owner: engine) ----
 
 MODEL_ARG = typer.Option(None, "--model", "-m", help="HF model directory; omitted: the bundled SmolLM2-135M-Instruct.")
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_OPT = typer.Option("float32", "--dtype", help="Weights and KV cache: float32, bfloat16 or float16.")
+KV_MEMORY_OPT = typer.Option(None, "--kv-cache-memory", help="KV cache budget in GiB (default 1); it must "
+                             "hold one max-model-len sequence, and weights plus it must fit the device.")
+
+
+def _fit(model: str | None, dtype: str, kv_cache_memory: float | None, *, max_model_len,
+         max_num_seqs: int, device: str = "cpu", block_size: int = 16, num_blocks: int | None = None):
+    """Check, before any weight is read, that the model and its KV cache fit the device.
+
+    `max_model_len(cfg)` gives the context length. Returns (model directory, max_model_len,
+    KV cache bytes); a model that does not fit exits with the reason.
+    """
+    from reclaim.engine.engine import DEFAULT_KV_CACHE_BYTES
+    from reclaim.engine.kv_cache import GIB, KVPool
+    from reclaim.engine.memory import check_fits
+    from reclaim.models.loading import as_dtype, read_config, resolve_model_dir
+
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    if kv_cache_memory is not None and (kv_cache_memory <= 0 or num_blocks is not None):
+        raise typer.BadParameter(f"--kv-cache-memory {kv_cache_memory}: give a size > 0 GiB, and not "
+                                 "together with --num-blocks")
+    path = resolve_model_dir(model)
+    cfg = read_config(path)
+    max_len = max_model_len(cfg)
+    budget = DEFAULT_KV_CACHE_BYTES if kv_cache_memory is None else int(kv_cache_memory * GIB)
+    if num_blocks is not None:  # an explicit pool size is the budget
+        budget = num_blocks * block_size * KVPool.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, as_dtype(dtype))
+    try:
+        check_fits(path, cfg, dtype=as_dtype(dtype), device=device, kv_cache_bytes=budget,
+                   block_size=block_size, max_model_len=max_len, max_num_seqs=max_num_seqs)
+    except ValueError as e:
+        typer.echo(f"Error: {e}", err=True)
+        raise typer.Exit(1) from e
+    return path, max_len, budget
 
 
 def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | None):
@@ -24,19 +61,23 @@ def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | Non
         raise typer.BadParameter(str(e)) from e
 
 
-def _engine(model: str | None):
+def _engine(model: str | None, dtype: str = "float32", kv_cache_memory: float | None = None):
     from reclaim.engine.engine import Engine
     from reclaim.models.loading import load_model
 
-    m, tok = load_model(model)
     # One conversation at a time: a small cache starts fast.
-    return Engine(m, tok, max_num_seqs=1, max_model_len=min(4096, m.config.max_position_embeddings))
+    path, max_len, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=1,
+                                   max_model_len=lambda cfg: min(4096, cfg.max_position_embeddings))
+    m, tok = load_model(path, dtype=dtype)
+    return Engine(m, tok, max_num_seqs=1, max_model_len=max_len, kv_cache_bytes=kv_bytes)
 
 
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message, unless --raw)."),
     model: str = MODEL_ARG,
+    dtype: str = DTYPE_OPT,
+    kv_cache_memory: float = KV_MEMORY_OPT,
     max_tokens: int = typer.Option(256, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
@@ -50,7 +91,7 @@ def generate(
     from reclaim.models.tokenizer import encode_chat
 
     params = _sampling(max_tokens, temperature, top_p, seed)
-    engine = _engine(model)
+    engine = _engine(model, dtype, kv_cache_memory)
     ids = engine.tokenizer.encode(prompt) if raw else encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
     stream(engine, ids, params, sys.stdout)
 
@@ -58,6 +99,8 @@ def generate(
 @app.command()
 def chat(
     model: str = MODEL_ARG,
+    dtype: str = DTYPE_OPT,
+    kv_cache_memory: float = KV_MEMORY_OPT,
     max_tokens: int = typer.Option(512, help="Most tokens per reply."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
@@ -69,7 +112,7 @@ def chat(
     from reclaim.engine.quickstart import chat_loop
 
     params = _sampling(max_tokens, temperature, top_p, seed)
-    chat_loop(_engine(model), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
+    chat_loop(_engine(model, dtype, kv_cache_memory), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
 
 
 @app.command()
@@ -94,7 +137,11 @@ def demo(
 
 @app.command()
 def serve(
-    model: str = typer.Argument(None, help="HF model directory; omitted: the bundled SmolLM2-135M-Instruct."),
+    model: str = typer.Argument(None, help="HF model directory (or give it as --model); omitted: the "
+                                "bundled SmolLM2-135M-Instruct."),
+    model_opt: str = MODEL_ARG,
+    dtype: str = DTYPE_OPT,
+    kv_cache_memory: float = KV_MEMORY_OPT,
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: str = typer.Option(None, "--api-key", envvar="RECLAIM_API_KEY",
@@ -127,10 +174,18 @@ def serve(
     from reclaim.server.serve import EngineArgs
     from reclaim.server.serve import serve as run_server
 
+    if model is not None and model_opt is not None and model != model_opt:
+        raise typer.BadParameter(f"the model is given twice, as {model!r} and --model {model_opt!r}; "
+                                 "give it once")
+    model = model or model_opt
+    _, _, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=max_num_seqs, device=device,
+                          max_model_len=lambda cfg: max_model_len or cfg.max_position_embeddings,
+                          block_size=block_size, num_blocks=num_blocks)
     try:
         args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           num_blocks=num_blocks, block_size=block_size, device=device,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
+                          kv_cache_bytes=kv_bytes)
         connections = ConnectionLimits(max_connections=limit_concurrency, header_timeout=header_timeout,
                                        body_timeout=body_timeout, keep_alive=timeout_keep_alive)
     except ValueError as e:

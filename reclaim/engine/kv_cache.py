@@ -2,10 +2,13 @@
 view that a model's attention calls (the AttentionCache protocol of reclaim/models/cache.py).
 
 `BlockManager` is plain Python (which blocks a sequence owns) so the scheduler can be tested
-without tensors; `KVPool` holds the tensors and builds a `PagedView` for one forward.
+without tensors; `KVPool` holds the tensors and builds a `PagedView` for one forward;
+`plan_kv_blocks` sizes the pool within a memory budget.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -50,6 +53,36 @@ class BlockManager:
     def free(self, seq_id: str) -> None:
         """Return all of `seq_id`'s blocks to the free list (no-op if it holds none)."""
         self._free.extend(reversed(self.tables.pop(seq_id, [])))
+
+
+GIB = 1 << 30
+
+
+def plan_kv_blocks(
+    cfg: Any, *, kv_cache_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
+    dtype: torch.dtype,
+) -> int:
+    """Blocks the KV cache gets within `kv_cache_bytes`: as many as the budget holds, at most
+    enough for `max_num_seqs` full-length sequences.
+
+    `cfg` is the model config (num_hidden_layers, num_key_value_heads, head_dim). Raises
+    ValueError, naming the budget, the bytes per token and the minimum, when the budget cannot
+    hold one sequence of `max_model_len` tokens: the budget is never raised silently.
+    """
+    per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    per_seq = -(-max_model_len // block_size)
+    budget = kv_cache_bytes // (per_token * block_size)
+    if budget < per_seq:
+        need = per_seq * block_size * per_token
+        raise ValueError(
+            f"KV cache budget of {kv_cache_bytes} bytes ({kv_cache_bytes / GIB:.4g} GiB) holds "
+            f"{budget * block_size} tokens at {per_token} bytes per token ({cfg.num_hidden_layers} "
+            f"layers x {cfg.num_key_value_heads} K/V heads x {cfg.head_dim} x 2 x "
+            f"{str(dtype).removeprefix('torch.')}); one sequence of max_model_len={max_model_len} "
+            f"needs {need} bytes ({need / GIB:.4g} GiB): give at least that much KV cache memory "
+            f"or a max_model_len of at most {budget * block_size}"
+        )
+    return min(budget, max_num_seqs * per_seq)
 
 
 class KVPool:

@@ -1,0 +1,112 @@
+"""`generate`, `chat` and `serve` take the model the same way (-m/--model; serve also positionally,
+as vLLM), and their --dtype and --kv-cache-memory reach the engine; a KV budget too small or a
+model too big for the device stops with the reason before any weight is loaded."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import reclaim.engine.engine as engine_module
+import reclaim.models.loading as loading
+import reclaim.server.serve as serve_module
+from reclaim.cli import app
+from reclaim.engine import memory
+from reclaim.engine.kv_cache import GIB
+from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
+from reclaim.models.loading import load_model, save_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_model_dir):
+    """A tiny random Llama with the default model's tokenizer (and chat template)."""
+    from reclaim.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return str(save_model(LlamaForCausalLM(cfg), tok, tmp_path_factory.mktemp("cli") / "tiny"))
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    """The engines the CLI builds: (model dtype, kv_cache_bytes, max_model_len) of each."""
+    made = []
+
+    class Spy(engine_module.Engine):
+        def __init__(self, model, tokenizer=None, **kw):
+            made.append((next(model.parameters()).dtype, kw.get("kv_cache_bytes"), kw.get("max_model_len")))
+            super().__init__(model, tokenizer, **kw)
+
+    monkeypatch.setattr(engine_module, "Engine", Spy)
+    return made
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
+
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"]])
+def test_dtype_and_kv_memory_reach_the_engine(tiny_dir, engines, command):
+    res = CliRunner().invoke(app, [*command, "-m", tiny_dir, "--dtype", "bfloat16",
+                                   "--kv-cache-memory", "0.01", "--max-tokens", "2"], input="Hi\n")
+    assert res.exit_code == 0, res.output
+    assert engines == [(torch.bfloat16, int(0.01 * GIB), 512)]
+
+
+def test_bfloat16_model_loads_in_bfloat16(tiny_dir):
+    model, _ = load_model(tiny_dir, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """What `reclaim serve` hands the server: (model, EngineArgs) of each call."""
+    calls = []
+
+    def fake_serve(model, *, engine_args, **kw):
+        calls.append((model, engine_args))
+        return 0
+
+    monkeypatch.setattr(serve_module, "serve", fake_serve)
+    return calls
+
+
+@pytest.mark.parametrize("how", [["{m}"], ["-m", "{m}"], ["--model", "{m}"], ["{m}", "--model", "{m}"]])
+def test_serve_takes_the_model_positionally_or_as_an_option(tiny_dir, served, how):
+    args = [a.format(m=tiny_dir) for a in how]
+    res = CliRunner().invoke(app, ["serve", *args, "--dtype", "float16", "--kv-cache-memory", "0.5"])
+    assert res.exit_code == 0, res.output
+    (model, engine_args), = served
+    assert model == tiny_dir and engine_args.dtype == "float16"
+    assert engine_args.kv_cache_bytes == GIB // 2
+
+
+def test_serve_refuses_two_different_models(tiny_dir, served, tmp_path):
+    res = CliRunner().invoke(app, ["serve", tiny_dir, "--model", str(tmp_path)])
+    assert res.exit_code == 2 and "given twice" in res.output and not served
+
+
+def test_unknown_dtype_is_refused(tiny_dir, no_loading):
+    res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--dtype", "int8"])
+    assert res.exit_code == 2 and "allowed: float32, bfloat16, float16" in res.output
+
+
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"], ["serve"]])
+def test_kv_budget_too_small_stops_before_loading(tiny_dir, no_loading, served, command):
+    res = CliRunner().invoke(app, [*command, "-m", tiny_dir, "--kv-cache-memory", "1e-6"])
+    assert res.exit_code == 1 and not served
+    assert "KV cache budget of 1073 bytes" in res.output and "bytes per token" in res.output
+    assert "needs" in res.output
+
+
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"], ["serve"]])
+def test_model_too_big_for_the_device_stops_before_loading(tiny_dir, no_loading, served, monkeypatch, command):
+    monkeypatch.setattr(memory, "free_memory", lambda device: 4096)
+    res = CliRunner().invoke(app, [*command, "-m", tiny_dir])
+    assert res.exit_code == 1 and not served
+    assert "does not fit on cpu" in res.output and "only 3.81e-06 GiB is free" in res.output
