@@ -29,7 +29,7 @@ from reclaim.server.errors import APIError, install_error_handlers, validation_e
 from reclaim.server.metrics import CONTENT_TYPE
 from reclaim.server.plan import Limits, Plan, plan_chat, plan_completion
 from reclaim.server.responses import TokenText, collect, stream_body
-from reclaim.server.runner import EngineFailure, EngineRunner
+from reclaim.server.runner import EngineFailure, EngineRunner, Generation
 from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -62,6 +62,7 @@ class Gate:
         path = scope["path"]
         route = path if path in ROUTES else "other"
         status = {"code": 0}
+        scope["reclaim.status"] = status  # a stream that ends in an error event sets 500 here
 
         async def counted_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -160,15 +161,22 @@ async def _collect_unless_gone(request: Request, work: Any) -> dict | None:
 
 
 class EventStream(StreamingResponse):
-    """SSE response that closes its generator however the connection ends."""
+    """SSE response that closes its generator however the connection ends, and counts a stream
+    that ended in an error event as a 500 (its HTTP status was 200 before the error)."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: Any, gen: Generation, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.gen = gen
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            if self.gen.failed and "reclaim.status" in scope:
+                scope["reclaim.status"]["code"] = 500
 
 
 def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
@@ -224,7 +232,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
             raise APIError(503, str(exc)) from exc
         if plan.stream:
             return EventStream(stream_body(plan, gen, names, runner.engine.weights_version),
-                               headers={"Cache-Control": "no-cache"})
+                               gen, headers={"Cache-Control": "no-cache"})
         try:
             body = await _collect_unless_gone(request, collect(plan, gen, names))
         except EngineFailure as exc:
@@ -265,6 +273,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
         metrics.kv_used.set(s.get("kv_blocks_used", 0))
         metrics.kv_total.set(s.get("kv_blocks_total", 0))
         metrics.weights_version.set(runner.engine.weights_version)
+        metrics.preemptions.set_total(s.get("num_preemptions", 0))
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

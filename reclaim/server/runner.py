@@ -39,15 +39,18 @@ class Generation:
     index_of: dict[str, int]  # engine request id -> choice index
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     pending: set[str] = field(default_factory=set)
+    failed: bool = False  # a choice failed (engine step or its own error): the response is an error
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (choice index, output) until every choice has finished."""
         while self.pending:
             item = await self.queue.get()
             if isinstance(item, BaseException):
+                self.failed = True
                 raise item
             if item.finished:
                 self.pending.discard(item.request_id)
+                self.failed |= item.finish_reason == "error"
             yield self.index_of[item.request_id], item
 
     def abort(self) -> None:
@@ -132,6 +135,14 @@ class EngineRunner:
             self.metrics.requests_finished.inc(1, ("abort",))
             self.engine.abort_request(request_id)
             self._wake.set()
+
+    def end_all(self) -> int:
+        """Abort every request in flight but keep its stream: the engine's 'abort' output ends
+        it with a finish_reason and [DONE] (used when the shutdown grace period runs out)."""
+        for rid in self._sinks:
+            self.engine.abort_request(rid)
+        self._wake.set()
+        return len(self._sinks)
 
     def _deliver(self, outputs: list[RequestOutput], stats: dict) -> None:
         self.stats = stats

@@ -94,11 +94,33 @@ class Server(uvicorn.Server):
 
 
 class DrainingServer(Server):
-    """uvicorn that marks the app as draining on a signal and exits 0 after a SIGTERM."""
+    """uvicorn that marks the app as draining on a signal and exits 0 after a SIGTERM.
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    When `grace` seconds of shutdown have passed, the requests still running are aborted and
+    end cleanly (finish_reason 'abort', then [DONE]); uvicorn cancels tasks only `END_S` later,
+    if something still hangs.
+    """
+
+    END_S = 5.0  # time the aborted streams get to send their last chunk
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, runner: EngineRunner,
+                 grace: float) -> None:
+        config.timeout_graceful_shutdown = grace + self.END_S
         super().__init__(config)
-        self.state = state
+        self.state, self.runner, self.grace = state, runner, grace
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        cut = asyncio.get_running_loop().call_later(self.grace, self._end_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+    def _end_in_flight(self) -> None:
+        n = self.runner.end_all()
+        if n:
+            log.info("shutdown grace of %g s is over: ending %d request(s) with "
+                     "finish_reason 'abort'", self.grace, n)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.state.draining = True
@@ -132,8 +154,8 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     connections = connections or ConnectionLimits()
     raise_file_limit(connections)
     config = uvicorn_config(app, connections, runner.metrics, host=host, port=port,
-                            log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
-    server = DrainingServer(config, state)
+                            log_level=log_level)
+    server = DrainingServer(config, state, runner, grace=shutdown_timeout)
     log.info("serving %s on http://%s:%d (names %s)", path, host, port, list(names))
     server.run()
     return 0 if server.started else 1

@@ -45,6 +45,9 @@ def test_failed_step_is_an_error_not_a_dead_server(failing, caplog):
         assert live.healthy()
         ok = http.post("/v1/completions", json=BODY)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
-        assert 'reclaim_requests_finished_total{finish_reason="error"} 2' in \
-            http.get("/metrics").text
+        metrics = http.get("/metrics").text
+        assert 'reclaim_requests_finished_total{finish_reason="error"} 2' in metrics
+        # The stream answered 200 before its error event; it still counts as a failed request.
+        assert 'reclaim_http_requests_total{route="/v1/completions",code="500"} 2' in metrics
+        assert 'reclaim_http_requests_total{route="/v1/completions",code="200"} 1' in metrics
     assert live.wait_idle()["kv_blocks_used"] == 0

@@ -1,4 +1,6 @@
-"""`reclaim serve` as a process: SIGTERM lets in-flight streams finish, admits nothing new, exits 0."""
+"""`reclaim serve` as a process: SIGTERM lets in-flight streams finish, admits nothing new, ends
+what is still running at the end of the grace period cleanly (finish_reason 'abort', [DONE], no
+traceback) and exits 0."""
 
 from __future__ import annotations
 
@@ -86,16 +88,19 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
         except httpx.TransportError:
             pass
         assert proc.wait(60) == 0, proc.stdout.read()
+        log = proc.stdout.read()
         short.join(10)
         long.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert short.error is None and short.frames[-1] == "data: [DONE]"
-    chunks = [json.loads(f.removeprefix("data: ")) for f in short.frames[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert long.error is not None and "data: [DONE]" not in long.frames  # cut at the end of grace
+    for reader, reason in ((short, "length"), (long, "abort")):  # long: cut at the end of grace
+        assert reader.error is None and reader.frames[-1] == "data: [DONE]", reader.error
+        chunks = [json.loads(f.removeprefix("data: ")) for f in reader.frames[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == reason
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "Traceback" not in log and "CancelledError" not in log, log
 
 
 def test_draining_server_refuses_new_work(server, http):
