@@ -3,9 +3,8 @@ config.json and the safetensors headers before any weight is read."""
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,28 +12,13 @@ import torch
 
 from reclaim.engine.kv_cache import GIB, KVPool, plan_kv_blocks
 from reclaim.models.llama import LlamaConfig
-from reclaim.models.loading import IGNORED_KEY, _weight_files
+from reclaim.models.loading import IGNORED_KEY, SafetensorsSource
 
 def weight_bytes(path: Path, dtype: torch.dtype) -> int:
     """Bytes the weights at `path` take once loaded in `dtype` (every tensor is cast), from the
     safetensors headers alone."""
-    total = 0
-    for file in set(_weight_files(path).values()):
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for name, info in header.items():
-            if name == "__metadata__" or IGNORED_KEY.search(name):
-                continue
-            total += dtype.itemsize * _numel(info["shape"])
-    return total
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    source = SafetensorsSource(path)  # reads headers only
+    return dtype.itemsize * sum(math.prod(source.shape(k)) for k in source if not IGNORED_KEY.search(k))
 
 
 def free_memory(device: torch.device | str) -> int | None:

@@ -118,7 +118,8 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
-        """Build from a config.json dict; unknown keys are kept in `extra` for the round trip."""
+        """Build from a config.json dict. Other keys are kept in `extra` for the round trip when
+        they cannot change the forward; one that would (at its value) is refused by name."""
         d = dict(d)
         rope = d.pop("rope_parameters", None)  # transformers >= 5 spelling of rope settings
         if rope and "rope_theta" in rope:
