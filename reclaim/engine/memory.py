@@ -14,6 +14,7 @@ from reclaim.engine.kv_cache import GIB, KVPool, plan_kv_blocks
 from reclaim.models.llama import LlamaConfig
 from reclaim.models.loading import IGNORED_KEY, SafetensorsSource
 
+
 def weight_bytes(path: Path, dtype: torch.dtype) -> int:
     """Bytes the weights at `path` take once loaded in `dtype` (every tensor is cast), from the
     safetensors headers alone."""
