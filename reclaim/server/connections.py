@@ -46,21 +46,19 @@ class ConnectionLimits:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: a number > 0")
 
 
-def _json_response(status: int, reason: bytes, error: APIError,
-                   extra: list[tuple[bytes, bytes]] = ()) -> tuple[h11.Response, bytes]:
+def _json_error(error: APIError, *extra: tuple[bytes, bytes]) -> tuple[list, bytes]:
+    """Headers and body of an OpenAI-style error answered on a connection about to close."""
     body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close"), *extra]
-    return h11.Response(status_code=status, headers=headers, reason=reason), body
+    return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"), *extra], body
 
 
 def _busy_app(limits: ConnectionLimits) -> Any:
     """The ASGI app a connection over the cap gets: 503, Retry-After, close."""
-    error = APIError(503, f"the server holds {limits.max_connections} connections, its limit "
-                     f"(--limit-concurrency); retry after {limits.retry_after} s")
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"retry-after", str(limits.retry_after).encode()), (b"connection", b"close")]
+    headers, body = _json_error(
+        APIError(503, f"the server holds {limits.max_connections} connections, its limit "
+                 f"(--limit-concurrency); retry after {limits.retry_after} s"),
+        (b"retry-after", str(limits.retry_after).encode()))
 
     async def busy(scope: dict, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 503, "headers": headers})
@@ -130,23 +128,28 @@ def guarded_protocol(limits: ConnectionLimits,
             count(f"{phase}_timeout")
             log.debug("closing %s: no complete request %s within %.1f s", self.client, phase,
                       timeout)
-            if phase == "header" and self.conn.our_state is h11.IDLE:
-                error = APIError(408, f"the request headers did not arrive within {timeout:g} s")
-                self._send(*_json_response(408, b"Request Timeout", error))
+            if phase == "header":
+                self._answer(APIError(408, f"the request headers did not arrive within "
+                                           f"{timeout:g} s"), b"Request Timeout")
             self.transport.close()
 
-        def _send(self, response: h11.Response, body: bytes) -> None:
+        def send_400_response(self, msg: str) -> None:
+            self._answer(APIError(400, "malformed HTTP request; this server speaks HTTP/1.1"),
+                         b"Bad Request")
+            self.transport.close()
+
+        def _answer(self, error: APIError, reason: bytes) -> None:
+            """Write `error` straight through h11, if no response has started yet."""
+            if self.conn.our_state is not h11.IDLE:
+                return
+            headers, body = _json_error(error)
             try:
-                for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+                for event in (h11.Response(status_code=error.status, headers=headers,
+                                           reason=reason),
+                              h11.Data(data=body), h11.EndOfMessage()):
                     self.transport.write(self.conn.send(event))
             except h11.LocalProtocolError:
                 pass  # h11 cannot answer in this state; closing is all that is left
-
-        def send_400_response(self, msg: str) -> None:
-            if self.conn.our_state is h11.IDLE:
-                error = APIError(400, "malformed HTTP request; this server speaks HTTP/1.1")
-                self._send(*_json_response(400, b"Bad Request", error))
-            self.transport.close()
 
     return GuardedH11Protocol
 
