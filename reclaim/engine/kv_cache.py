@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from reclaim.models.cache import attention_mask
+
 
 class BlockManager:
     """Hands out block ids from a free list and keeps each sequence's block table."""
@@ -180,25 +182,15 @@ class PagedView:
         if b == 1 and t == 1:
             self.cut = slice(max(0, total[0] - (w or total[0])) - lo * bs, total[0] - lo * bs)
         elif self.fresh_prompt:
-            if w is not None and t > w:
-                self.mask = self._mask(self.positions, torch.arange(t, device=device), w)
+            if w is not None and t > w:  # keys are the new tokens themselves
+                self.mask = attention_mask(self.positions, torch.arange(t, device=device), w)
         else:
             key_ok = key_pos < (past_t + new_t)[:, None]
-            # Padded query rows see all their row's real keys, so no softmax row is all -inf.
-            self.mask = self._mask(self.positions, key_pos, w, ~query_ok) & key_ok[:, None, None, :]
-
-    @staticmethod
-    def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None,
-              unwindowed: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 1, T, S]: key k is visible to query q if q - window < k <= q (`unwindowed` rows: k <= q)."""
-        q, k = q_pos[:, :, None], key_pos[None, None, :]
-        ok = k <= q
-        if window is not None:
-            near = k > q - window
-            if unwindowed is not None:
-                near = near | unwindowed[:, :, None]
-            ok = ok & near
-        return ok[:, None]
+            mask = attention_mask(self.positions, key_pos, w)
+            if w is not None and min(new) < t:
+                # Padded query rows see all their row's real keys, so no softmax row is all -inf.
+                mask |= ~query_ok[:, None, :, None] & attention_mask(self.positions, key_pos)
+            self.mask = mask & key_ok[:, None, None, :]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store this layer's new K/V ([B, Hkv, T, D]) and return the rows' full contexts."""

@@ -33,14 +33,20 @@ class AttentionCache(Protocol):
         ...
 
 
-def causal_mask(t: int, past: int, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """[1, 1, t, past + t] mask letting query i see keys 0..past + i (the last `window` of them)."""
-    q = torch.arange(t, device=device)[:, None] + past
-    k = torch.arange(past + t, device=device)[None, :]
+def attention_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[B, 1, T, S]: the query at position q_pos[b, t] sees the key at key_pos[s] when
+    q - window < k <= q (no lower bound without a window)."""
+    q, k = q_pos[:, :, None], key_pos[None, None, :]
     ok = k <= q
     if window is not None:
         ok &= k > q - window
-    return ok[None, None]
+    return ok[:, None]
+
+
+def causal_mask(t: int, past: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[1, 1, t, past + t] mask letting query i see keys 0..past + i (the last `window` of them)."""
+    return attention_mask(torch.arange(past, past + t, device=device)[None],
+                          torch.arange(past + t, device=device), window)
 
 
 def needs_mask(t: int, past: int, window: int | None) -> bool:
