@@ -75,9 +75,24 @@ class Gate:
                 await error.response()(scope, receive, counted_send)
             else:
                 await self.app(scope, receive, counted_send)
+        except asyncio.CancelledError:
+            if not self.state.draining:
+                raise
+            await self._cut(path, status, scope, receive, counted_send)
         finally:
             if status["code"]:
                 self.metrics.http_requests.inc(1, (route, str(status["code"])))
+
+    async def _cut(self, path: str, status: dict, scope: dict, receive: Any, send: Any) -> None:
+        """uvicorn cancelled a request still running after the shutdown grace (the engine did
+        not end it in time): answer 503, or end the stream with [DONE], instead of a traceback."""
+        log.info("%s cancelled at shutdown", path)
+        if not status["code"]:
+            error = APIError(503, "the server shut down before this request finished")
+            await error.response()(scope, receive, send)
+        else:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                        "more_body": False})
 
     def _refusal(self, scope: dict) -> APIError | None:
         path = scope["path"]

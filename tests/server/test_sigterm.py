@@ -5,6 +5,7 @@ traceback) and exits 0."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,6 +18,8 @@ import httpx
 
 from live_server import make_model, make_tokenizer
 from reclaim.models.loading import save_model
+from reclaim.server.connections import ConnectionLimits
+from reclaim.server.serve import DrainingServer, EngineArgs, build_app, uvicorn_config
 
 
 def free_port() -> int:
@@ -115,3 +118,46 @@ def test_draining_server_refuses_new_work(server, http):
     finally:
         server.state.draining = False
     assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_stuck_engine_at_shutdown_still_ends_streams_without_traceback(caplog):
+    """If the engine cannot deliver the aborts in time, uvicorn's cancel ends the stream with
+    [DONE] and one INFO line instead of a CancelledError traceback."""
+    tokenizer = make_tokenizer()
+    app, runner, state = build_app(make_model(tokenizer), tokenizer, ("tiny",),
+                                   EngineArgs(num_blocks=64, max_model_len=256))
+    real_step, stuck = runner.engine.step, threading.Event()
+
+    def step():
+        if stuck.is_set():
+            time.sleep(2.5)  # a step far longer than the time left for shutdown
+        return real_step()
+
+    runner.engine.step = step
+
+    class QuickDrain(DrainingServer):
+        END_S = 0.7
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = QuickDrain(uvicorn_config(app, ConnectionLimits(), runner.metrics,
+                                       log_level="info"), state, runner, grace=0.3)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    caplog.set_level(logging.INFO)
+    thread.start()
+    reader = StreamReader(url, 200)
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    reader.start()
+    assert reader.started.wait(30)
+    stuck.set()
+    server.handle_exit(signal.SIGTERM, None)
+    thread.join(30)
+    reader.join(10)
+    assert reader.error is None and reader.frames[-1] == "data: [DONE]"
+    assert not any(r.exc_info for r in caplog.records), \
+        [r.getMessage() for r in caplog.records if r.exc_info]
+    assert any("cancelled at shutdown" in r.getMessage() for r in caplog.records)
