@@ -2,8 +2,8 @@
 
 The gate (a plain ASGI middleware, so streams pass through untouched) checks the API key, turns
 requests away with 503 while the server drains for shutdown, and counts responses by status.
-JSON validation, chat templating and tokenizing run in a small thread pool, never on the event
-loop, so one huge body cannot stall `/health` or other streams.
+JSON validation, chat templating, tokenizing and rendering whole responses run in a small thread
+pool, never on the event loop, so one huge body cannot stall `/health` or other streams.
 """
 
 from __future__ import annotations
@@ -256,7 +256,8 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
             gen.abort()
         if body is None:  # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        return JSONResponse(body)
+        # n long choices with top logprobs make megabytes of JSON: render them off the loop
+        return await asyncio.get_running_loop().run_in_executor(prep, JSONResponse, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
