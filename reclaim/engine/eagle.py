@@ -36,18 +36,48 @@ def _truncate(cache: DenseCache, n: int) -> None:
             d[layer] = d[layer][:, :, :n]
 
 
-class EagleProposer:
-    """Chain drafts from an EAGLE drafter sharing the target's embeddings and LM head."""
+class _BranchCache:
+    """Tree drafting's attention cache: the sequence's K/V shared by every branch, plus each
+    branch's own ancestors' K/V [B, Hkv, depth, D]. One new token per branch sees all of them."""
 
-    def __init__(self, drafter: EagleDrafter, target: torch.nn.Module) -> None:
+    def __init__(self, prefix: DenseCache) -> None:
+        self.prefix = prefix
+        self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Branch i continues branch rows[i] (children inherit their parent's ancestors)."""
+        self.own = {layer: (k[rows], v[rows]) for layer, (k, v) in self.own.items()}
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if layer in self.own:
+            k = torch.cat([self.own[layer][0], k], dim=2)
+            v = torch.cat([self.own[layer][1], v], dim=2)
+        self.own[layer] = (k, v)
+        b = k.shape[0]
+        pk, pv = self.prefix.keys[layer], self.prefix.values[layer]
+        return (torch.cat([pk.expand(b, -1, -1, -1), k], dim=2),
+                torch.cat([pv.expand(b, -1, -1, -1), v], dim=2), None)
+
+
+class EagleProposer:
+    """Chain or tree drafts from an EAGLE drafter sharing the target's embeddings and LM head.
+
+    topk > 1 drafts a tree as EAGLE-2 does: each level expands the `topk` best nodes so far (by
+    the drafter's cumulative log-probability) into their `topk` most likely children, for `depth`
+    levels; the `total` best nodes are verified.
+    """
+
+    def __init__(self, drafter: EagleDrafter, target: torch.nn.Module, *, topk: int = 1,
+                 depth: int = 4, total: int | None = None) -> None:
         self.drafter = drafter.eval()
+        self.topk, self.depth, self.total = topk, depth, total or depth * topk
         self.embed = target.model.embed_tokens
         self.head = target.lm_head
         self._states: dict[str, _State] = {}
 
     @classmethod
-    def load(cls, path: str | os.PathLike, target: torch.nn.Module) -> "EagleProposer":
-        return cls(load_drafter(path, target), target)
+    def load(cls, path: str | os.PathLike, target: torch.nn.Module, **tree: int) -> "EagleProposer":
+        return cls(load_drafter(path, target), target, **tree)
 
     def observe(self, seq_id: str, start: int, token_ids: list[int], hidden: torch.Tensor) -> None:
         st = self._states.setdefault(seq_id, _State())
@@ -84,6 +114,8 @@ class EagleProposer:
         feed = n - st.length
         g = self._step(st, r.token_ids[st.length + 1: n + 1], torch.stack(st.feats[:feed]), st.length)[-1]
         st.length, st.feats = n, st.feats[feed:]
+        if self.topk > 1:
+            return self._tree(st, g, n, r.max_tokens)
         tokens, qs = [], []
         for j in range(r.max_tokens):
             logits = self.head(g[None]).float()
@@ -98,3 +130,37 @@ class EagleProposer:
                 g = self._step(st, [tok], g[None], n + j)[-1]
         _truncate(st.cache, n)
         return Draft(tokens, torch.stack(qs) if qs else None)
+
+    def _tree(self, st: _State, g: torch.Tensor, n: int, budget: int) -> Draft:
+        """EAGLE-2's dynamic tree from g (the prediction of f_n); deterministic tokens."""
+        k = self.topk
+        lp = torch.log_softmax(self.head(g[None]).float(), -1)[0]
+        top = lp.topk(k)
+        tokens, parents, scores = top.indices.tolist(), [-1] * k, top.values.tolist()
+        frontier = list(range(k))  # nodes to expand next
+        feats = g[None].expand(k, -1)  # each frontier node's input feature (its parent's prediction)
+        cache = _BranchCache(st.cache)
+        emb = self.embed
+        for d in range(1, self.depth):
+            dev = g.device
+            ids = torch.tensor([[tokens[i]] for i in frontier], device=dev)
+            pos = torch.full((len(frontier), 1), n + d - 1, device=dev)
+            out = self.drafter(emb(ids), feats[:, None], pos, cache)[:, 0]  # [B, H]
+            lp = torch.log_softmax(self.head(out).float(), -1)
+            cand = torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + lp
+            val, idx = cand.topk(k, -1)  # [B, k] best children of each frontier node
+            first = len(tokens)
+            for b, node in enumerate(frontier):
+                tokens += idx[b].tolist()
+                parents += [node] * k
+                scores += val[b].tolist()
+            best = val.flatten().topk(k).indices  # the next frontier: best children overall
+            frontier = [first + int(i) for i in best]
+            rows = best // k
+            feats = out[rows]
+            cache.select(rows)
+        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: min(self.total, budget)]
+        keep.sort()  # creation order: parents before children, siblings best first
+        where = {old: new for new, old in enumerate(keep)}
+        return Draft([tokens[i] for i in keep], None,
+                     [where[parents[i]] if parents[i] >= 0 else -1 for i in keep])

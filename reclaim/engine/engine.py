@@ -23,13 +23,13 @@ from typing import Any, Callable
 import torch
 
 from reclaim.engine.detokenize import IncrementalDetokenizer
-from reclaim.engine.kv_cache import BlockManager, KVPool
+from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
 from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import make_generator, sample_each, token_logprobs
 from reclaim.engine.speculative import (
-    Draft, Drafter, DraftRequest, SpeculativeConfig, accept, make_drafter,
+    Draft, Drafter, DraftRequest, SpeculativeConfig, accept, accept_tree, make_drafter,
 )
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 from reclaim.models.llama import ForwardOutput
@@ -87,11 +87,8 @@ class Engine:
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
         if num_blocks is None:
-            per_token = KVPool.bytes_per_token(
-                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype
-            )
-            budget_tokens = max(kv_cache_bytes // per_token, max_model_len)
-            num_blocks = -(-min(budget_tokens, max_num_seqs * max_model_len) // block_size)
+            num_blocks = plan_kv_blocks(cfg, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+                                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype=dtype)
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(model, self.blocks, device, head=head)
         self.model, self.device = self.runner.model, device
@@ -196,7 +193,7 @@ class Engine:
             outputs = self._drain_inbox()
             spec = self.speculative
             speculate = spec is not None and len(self.scheduler.running) <= spec.max_batch
-            sched = self.scheduler.schedule(spec.num_speculative_tokens if speculate else 0)
+            sched = self.scheduler.schedule(spec.lookahead if speculate else 0)
             self.last_schedule = sched
             self.num_preemptions += len(sched.preempted)
             if not sched.chunks:
@@ -258,8 +255,9 @@ class Engine:
         rows = []
         for c in chunks:
             seq = self._requests[c.request_id].seq
-            rows.append(Row(c.request_id, c.start, seq.token_ids[c.start:c.start + c.num_tokens]
-                            + drafts.get(c.request_id, Draft()).tokens))
+            draft = drafts.get(c.request_id, Draft())
+            rows.append(Row(c.request_id, c.start, seq.token_ids[c.start:c.start + c.num_tokens] + draft.tokens,
+                            None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]))
         with torch.inference_mode():
             hidden = self.runner.run(rows)
             if self.on_forward is not None:
@@ -311,25 +309,31 @@ class Engine:
         drafts = {}
         for ask, d in zip(asks, self.drafter.propose(asks)):
             if d.tokens:
-                drafts[ask.seq_id] = Draft(d.tokens[: ask.max_tokens],
-                                           None if d.q is None else d.q[: ask.max_tokens])
+                drafts[ask.seq_id] = d.truncate(ask.max_tokens)
         return drafts
 
     def _verify(self, chunk: ScheduledChunk, req: RequestState, logits: torch.Tensor, draft: Draft,
                 hidden: torch.Tensor) -> list[int] | Exception:
         """Accept a prefix of the draft (lossless rule); roll the cache back over the rest."""
         try:
-            tokens = accept(logits, draft, req.seq.params, req.generator, self.generator)
+            if draft.parents is None:
+                tokens = accept(logits, draft, req.seq.params, req.generator, self.generator)
+                path = list(range(len(tokens) - 1))
+            else:
+                tokens, path = accept_tree(logits, draft, req.seq.params, req.generator, self.generator)
+                self.runner.move_kv(req.seq.request_id, [chunk.start + 1 + i for i in path],
+                                    [chunk.start + 1 + j for j in range(len(path))])
         except Exception as exc:  # noqa: BLE001 - this request alone fails
             return exc
         kept = len(tokens)  # the pending token and len(tokens) - 1 accepted draft tokens are cached
         req.seq.num_computed = chunk.start + kept
+        hidden = hidden[[0] + [1 + i for i in path]]
         self.spec_stats["verifies"] += 1
         self.spec_stats["drafted"] += len(draft.tokens)
         self.spec_stats["accepted"] += kept - 1
         if self.drafter is not None:
             self.drafter.observe(req.seq.request_id, chunk.start, req.seq.token_ids[chunk.start:] + tokens[:-1],
-                                 hidden[:kept])
+                                 hidden)
         return tokens
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

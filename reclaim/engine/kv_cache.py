@@ -119,14 +119,16 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def view(
-        self, tables: list[list[int]], past: list[int], new: list[int], *, sliding_window: int | None = None
+        self, tables: list[list[int]], past: list[int], new: list[int], *, sliding_window: int | None = None,
+        trees: list[list[int] | None] | None = None,
     ) -> "PagedView":
         """The cache for one forward over rows that hold `past[i]` cached and `new[i]` new tokens.
 
         `sliding_window` must be the model config's: each query then sees only the last
-        `sliding_window` positions up to its own (older blocks are not even read).
+        `sliding_window` positions up to its own (older blocks are not even read). `trees`: per
+        row, None or the parent of each new token (a speculative tree to verify; see PagedView).
         """
-        return PagedView(self, tables, past, new, sliding_window=sliding_window)
+        return PagedView(self, tables, past, new, sliding_window=sliding_window, trees=trees)
 
 
 class PagedView:
@@ -140,7 +142,7 @@ class PagedView:
 
     def __init__(
         self, pool: KVPool, tables: list[list[int]], past: list[int], new: list[int],
-        *, sliding_window: int | None = None,
+        *, sliding_window: int | None = None, trees: list[list[int] | None] | None = None,
     ) -> None:
         if not (len(tables) == len(past) == len(new)) or not tables or min(new) < 1:
             raise ValueError(
@@ -191,6 +193,37 @@ class PagedView:
                 # Padded query rows see all their row's real keys, so no softmax row is all -inf.
                 mask |= ~query_ok[:, None, :, None] & attention_mask(self.positions, key_pos)
             self.mask = mask & key_ok[:, None, None, :]
+        if trees is not None and any(tr is not None for tr in trees):
+            self._tree(trees, past_t, key_pos, t)
+
+    def _tree(self, trees: list[list[int] | None], past_t: torch.Tensor, key_pos: torch.Tensor, t: int) -> None:
+        """Tree rows (speculative verification): new token i is stored at slot position past + i but
+        sits at position past + depth(i) and, of the row's new tokens, sees only its ancestors and
+        itself (parents come before their children)."""
+        device = past_t.device
+        b = len(trees)
+        anc = torch.ones(b, t, t, dtype=torch.bool).tril()
+        depth = torch.arange(t).expand(b, t).clone()
+        for r, parents in enumerate(trees):
+            if parents is None:
+                continue
+            n = len(parents)
+            a = torch.eye(n, dtype=torch.bool)
+            for i, p in enumerate(parents):
+                if p >= 0:
+                    if p >= i:
+                        raise ValueError(f"tree row {r}: token {i} has parent {p}; a parent must come before it")
+                    a[i] |= a[p]
+                    depth[r, i] = depth[r, p] + 1
+                else:
+                    depth[r, i] = 0
+            anc[r, :n, :n] = a
+        anc, depth = anc.to(device), depth.to(device)
+        self.positions = past_t[:, None] + depth
+        new_idx = key_pos[None, :] - past_t[:, None]  # [B, S]: which new token a key is, if any
+        in_new = (new_idx >= 0) & (new_idx < t)
+        seen = anc.gather(2, new_idx.clamp(0, t - 1)[:, None, :].expand(b, t, -1))
+        self.mask = self.mask & (~in_new[:, None, :] | seen)[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store this layer's new K/V ([B, Hkv, T, D]) and return the rows' full contexts."""

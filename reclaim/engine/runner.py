@@ -39,11 +39,17 @@ def head_kernel(device: torch.device, dtype: torch.dtype,
 
 @dataclass
 class Row:
-    """New tokens of one sequence: token_ids placed at positions start, start + 1, ..."""
+    """New tokens of one sequence: token_ids placed at positions start, start + 1, ...
+
+    parents: a tree of new tokens instead (a draft to verify): token i's parent among them (-1:
+    none, it follows the cached prefix). Token i is stored in slot start + i but sits at position
+    start + depth(i) and sees the prefix and its own ancestors only.
+    """
 
     seq_id: str
     start: int
     token_ids: list[int]
+    parents: list[int] | None = None
 
 
 def group_rows(rows: list[Row], max_waste: float = 0.25) -> list[list[int]]:
@@ -76,12 +82,27 @@ class ModelRunner:
         self.pool = KVPool(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
                            cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
         self._head = head_kernel(device, dtype, head)
+        self.sliding_window = getattr(cfg, "sliding_window", None)
+
+    def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of positions `src` of a sequence to positions `dst` (every layer): an
+        accepted tree path moves into place after the prefix."""
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if not pairs:
+            return
+        table, bs = self.blocks.tables[seq_id], self.blocks.block_size
+        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+        s_idx = torch.tensor([slot(s) for s, _ in pairs], device=self.device)
+        d_idx = torch.tensor([slot(d) for _, d in pairs], device=self.device)
+        for kv in (self.pool.k_slots, self.pool.v_slots):
+            kv[:, :, d_idx] = kv[:, :, s_idx]
 
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """One model forward over `rows` (padded to the longest); final hidden states [B, T, H]."""
         new = [len(r.token_ids) for r in rows]
         t = max(new)
-        view = self.pool.view([self.blocks.tables[r.seq_id] for r in rows], [r.start for r in rows], new)
+        view = self.pool.view([self.blocks.tables[r.seq_id] for r in rows], [r.start for r in rows], new,
+                              sliding_window=self.sliding_window, trees=[r.parents for r in rows])
         input_ids = torch.tensor([r.token_ids + [0] * (t - len(r.token_ids)) for r in rows], device=self.device)
         return self.model(input_ids, view.positions, view, return_hidden=True, compute_logits=False).hidden
 

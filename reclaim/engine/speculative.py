@@ -31,11 +31,20 @@ class SpeculativeConfig:
     """What speculates and how much; names follow vLLM's `speculative_config`."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 4  # draft depth (steps): at most this many tokens accepted
     max_batch: int = 4  # speculation turns off while more sequences than this are running
+    eagle_topk: int = 1  # eagle: branches per node; 1 drafts a chain, > 1 a tree
+    num_draft_tokens: int | None = None  # eagle tree: tokens verified per step (default depth x topk)
     prompt_lookup_min: int = 1  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 4  # ngram: longest suffix to look up
     model: str | None = None  # eagle: drafter directory
+
+    @property
+    def lookahead(self) -> int:
+        """Draft tokens a decode verifies per step (what the scheduler reserves)."""
+        if self.eagle_topk == 1:
+            return self.num_speculative_tokens
+        return self.num_draft_tokens or self.num_speculative_tokens * self.eagle_topk
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -47,6 +56,13 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
                              f"{self.prompt_lookup_max}; need 1 <= min <= max")
+        if not 1 <= self.eagle_topk <= 16:
+            raise ValueError(f"eagle_topk={self.eagle_topk}; allowed: 1 (a chain) to 16")
+        if self.eagle_topk > 1 and self.method != "eagle":
+            raise ValueError(f"eagle_topk={self.eagle_topk} drafts a tree, which only method 'eagle' does")
+        if self.num_draft_tokens is not None and not self.num_speculative_tokens <= self.num_draft_tokens <= 256:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens}; allowed: "
+                             f"num_speculative_tokens ({self.num_speculative_tokens}) to 256")
         if self.method == "eagle" and not self.model:
             raise ValueError("speculative method 'eagle' needs a drafter directory (model=PATH)")
 
@@ -64,10 +80,29 @@ class DraftRequest:
 
 @dataclass
 class Draft:
-    """Proposed tokens and the drafter's distribution for each, [len(tokens), V] (None: one-hot)."""
+    """Proposed tokens and the drafter's distribution for each, [len(tokens), V] (None: one-hot).
+
+    A tree draft also gives each token's parent (-1: the pending token), parents before children,
+    siblings in the drafter's order of preference; its tokens are deterministic (q is None).
+    """
 
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def depths(self) -> list[int]:
+        """Each token's distance from the pending token (1 for its children)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def truncate(self, n: int) -> "Draft":
+        """The first n tokens (a tree keeps the nodes whose ancestors all stay: parents come first)."""
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
+                     None if self.parents is None else self.parents[:n])
 
 
 class Drafter(Protocol):
@@ -161,10 +196,56 @@ def accept(
     return out + [_draw(p[n], generator, fallback)]
 
 
+def accept_tree(
+    logits: torch.Tensor,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    fallback: torch.Generator | None = None,
+) -> tuple[list[int], list[int]]:
+    """Verify a tree of deterministic draft tokens with the target's logits [1 + N, V] (row 0 at
+    the pending token, row 1 + i at draft token i). Returns the tokens to commit and the draft
+    indices of the accepted path.
+
+    At each node the children are tried in order: greedy takes the child equal to the target's
+    argmax; sampling accepts child c with probability p(c) and otherwise removes c from p and
+    renormalises before the next child (recursive rejection for deterministic drafts), drawing
+    from what is left when every child fails, so the output is distributed as p.
+    """
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(draft.parents or []):
+        children.setdefault(parent, []).append(i)
+    node, row, path, out = -1, 0, [], []
+    while True:
+        kids = children.get(node, [])
+        if params.greedy:
+            best = int(sanitize(logits[row: row + 1]).argmax())
+            nxt = next((k for k in kids if draft.tokens[k] == best), None)
+            if nxt is None:
+                return out + [best], path
+        else:
+            p = probs(logits[row: row + 1], [params])[0]
+            nxt = None
+            for k in kids:
+                tok = draft.tokens[k]
+                mass = float(p[tok] / p.sum())
+                if mass > 0 and _uniform(generator, fallback) < mass:
+                    nxt = k
+                    break
+                p[tok] = 0.0
+            if nxt is None and float(p.sum()) > 0:
+                return out + [_draw(p / p.sum(), generator, fallback)], path
+            nxt = kids[-1] if nxt is None else nxt  # rounding left no mass: the last child had it all
+        path.append(nxt)
+        out.append(draft.tokens[nxt])
+        node, row = nxt, nxt + 1
+
+
 def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) -> Drafter:
     """The drafter a config names."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     from reclaim.engine.eagle import EagleProposer
 
-    return EagleProposer.load(cfg.model, target)
+    return EagleProposer.load(cfg.model, target, topk=cfg.eagle_topk, depth=cfg.num_speculative_tokens,
+                              total=cfg.lookahead)

@@ -31,14 +31,16 @@ def target_and_drafter():
     return target, drafter
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_greedy_eagle_equals_plain_over_50_prompts(target_and_drafter, batch):
+@pytest.mark.parametrize("batch,topk", [(1, 1), (8, 1), (1, 3), (8, 4)])
+def test_greedy_eagle_equals_plain_over_50_prompts(target_and_drafter, batch, topk):
+    """Chains (topk 1) and trees (topk 3, 4: 3 levels, up to 8 tokens verified per step)."""
     target, drafter = target_and_drafter
     prompts = _prompts(50, seed=5)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
-    eng = Engine(target, num_blocks=128, block_size=4, max_num_seqs=batch, speculative=SPEC,
-                 drafter=EagleProposer(drafter, target))
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch=64, num_draft_tokens=8)
+    eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=batch, speculative=spec,
+                 drafter=EagleProposer(drafter, target, topk=topk, depth=3, total=8 if topk > 1 else 3))
     spec = []
     for i in range(0, 50, batch):
         spec += eng.generate(prompts[i:i + batch], params)
@@ -121,3 +123,42 @@ def test_drafter_that_does_not_fit_is_refused(tmp_path, target_and_drafter):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         Engine(target, num_blocks=32, block_size=4, max_model_len=64,
                speculative=SpeculativeConfig(method="eagle", model=str(tmp_path / "nowhere")))
+
+
+def test_tree_row_sees_exactly_each_path():
+    """One verify row holding a tree gives, at every node, the hidden state of running the prefix
+    and that node's path as a plain sequence."""
+    from reclaim.engine.kv_cache import BlockManager
+    from reclaim.engine.runner import ModelRunner, Row
+
+    target, _ = make_pair(seed=7)
+    blocks = BlockManager(32, 4)
+    runner = ModelRunner(target, blocks, torch.device("cpu"))
+    prefix = [5, 9, 33, 70, 12, 3, 40]
+    #            0   1   2   3   4   5   6     tree over new tokens: 0 is the pending token
+    tokens = [11, 21, 22, 31, 32, 33, 41]
+    parents = [-1, 0, 0, 1, 1, 2, 4]
+    blocks.allocate("s", len(prefix) + len(tokens))
+    other = [7, 8, 9]  # a plain row in the same forward
+    blocks.allocate("o", 3 + 2)
+    with torch.no_grad():
+        runner.run([Row("s", 0, prefix), Row("o", 0, other)])
+        got = runner.run([Row("s", len(prefix), tokens, parents), Row("o", 3, [50, 51])])
+        for i in range(len(tokens)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, tokens[j])
+                j = parents[j]
+            want = target(torch.tensor([prefix + path]), return_hidden=True).hidden[0, -1]
+            torch.testing.assert_close(got[0][i], want, atol=1e-5, rtol=1e-5)
+        want = target(torch.tensor([other + [50, 51]]), return_hidden=True).hidden[0, -2:]
+        torch.testing.assert_close(got[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_sampled_eagle_tree_matches_plain_distribution():
+    from test_speculative import _joint_chi2_passes
+
+    target, _ = make_pair(seed=4, vocab_size=8)
+    torch.manual_seed(3)
+    proposer = EagleProposer(new_drafter(target), target, topk=3, depth=2, total=5)
+    assert _joint_chi2_passes(target, proposer, top_k=0)  # top-k's own tree case: test_speculative

@@ -159,11 +159,11 @@ def test_first_token_distribution_matches_target(params, rule):
         assert stat > CHI2_CRITICAL_5DF, ("the chi-square test cannot tell a wrong rule apart", stat)
 
 
-def _joint_chi2_passes(target, drafter, n: int = 1500) -> bool:
+def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6) -> bool:
     """Sample n three-token continuations with and without speculation on a tiny-vocabulary
     target; two-sample chi-square over the joint of the first two tokens (the second comes from
     a verified draft) at p = 0.001, a threshold fixed here before any run."""
-    params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
     prompt = [3, 5, 3, 5, 3]
     v = target.config.vocab_size
     plain = _engine(target, max_num_seqs=64, seed=1)
@@ -217,3 +217,35 @@ def test_bad_speculative_config_is_refused_by_name():
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="needs a drafter directory"):
         SpeculativeConfig(method="eagle")
+
+
+def _wrong_tree_accept(logits, draft, params, generator=None, fallback=None):
+    """Near miss for trees: tries each child with its original p(c), never removing rejected
+    children's mass, and draws the fallback from p itself."""
+    from reclaim.engine.sampling import probs
+
+    p = probs(logits[:1], [params])[0]
+    for i, parent in enumerate(draft.parents):
+        if parent == -1 and torch.rand((), generator=generator, dtype=torch.float64) < p[draft.tokens[i]]:
+            return [draft.tokens[i]], [i]
+    return [int(torch.multinomial(p.float(), 1, generator=generator).item())], []
+
+
+@pytest.mark.parametrize("rule", ["right", "wrong"])
+def test_tree_first_token_distribution_matches_target(rule):
+    from reclaim.engine.sampling import probs
+    from reclaim.engine.speculative import accept_tree
+
+    params = SamplingParams(temperature=0.8, top_k=5)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, V, generator=g) * 1.5
+    target = probs(logits[:1], [params])[0]
+    ranked = target.argsort(descending=True).tolist()
+    draft = Draft([ranked[0], ranked[1], ranked[3]], None, [-1, -1, 0])  # two root children, one grandchild
+    fn = accept_tree if rule == "right" else _wrong_tree_accept
+    counts = torch.zeros(V, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5000):
+        counts[fn(logits, draft, params, gen)[0][0]] += 1
+    stat = _chi2(counts, target)
+    assert (stat < CHI2_CRITICAL_5DF) == (rule == "right"), (rule, stat)
