@@ -100,7 +100,7 @@ def _cli_value(tp: Any, text: str) -> Any:
 def parse_overrides(cls: type, args: Sequence[str]) -> dict[str, Any]:
     """`--field value`, `--field=value`, and for bool fields `--field` (true) or `--no_field`.
 
-    Dashes in names become underscores. Unknown names are refused by `load_config`.
+    Dashes in names become underscores; an unknown name is refused with the allowed ones.
     """
     fields = config_fields(cls)
     out: dict[str, Any] = {}
@@ -113,16 +113,19 @@ def parse_overrides(cls: type, args: Sequence[str]) -> dict[str, Any]:
         key = key.replace("-", "_")
         if key not in fields and key.startswith("no_") and _is_bool(fields.get(key[3:])) and not eq:
             out[key[3:]] = False
-        elif eq:
-            out[key] = _cli_value(fields.get(key, str), value)
-        elif key in fields and _is_bool(fields[key]) and (
-                i + 1 == len(args) or args[i + 1].startswith("--")):
-            out[key] = True
-        elif i + 1 < len(args):
-            out[key] = _cli_value(fields.get(key, str), args[i + 1])
             i += 1
+            continue
+        _check_names(cls, {key: None}, "the command line")
+        has_next = i + 1 < len(args) and not args[i + 1].startswith("--")
+        if eq:
+            out[key] = _cli_value(fields[key], value)
+        elif has_next:
+            out[key] = _cli_value(fields[key], args[i + 1])
+            i += 1
+        elif _is_bool(fields[key]):
+            out[key] = True
         else:
-            raise ConfigError(f"{arg} needs a value")
+            raise ConfigError(f"{arg} needs a value ({key} takes {_type_name(fields[key])})")
         i += 1
     return out
 

@@ -91,8 +91,12 @@ def test_dataclass_checks_run_and_their_message_is_kept():
 def test_malformed_command_lines_and_files(tmp_path):
     with pytest.raises(ConfigError, match="expected --field value, got 'beta'"):
         parse_overrides(RunConfig, ["beta", "1"])
-    with pytest.raises(ConfigError, match="--beta needs a value"):
+    with pytest.raises(ConfigError, match=r"--beta needs a value \(beta takes float\)"):
         parse_overrides(RunConfig, ["--beta"])
+    with pytest.raises(ConfigError, match="--beta needs a value"):
+        parse_overrides(RunConfig, ["--beta", "--use_vllm"])
+    with pytest.raises(ConfigError, match=r"\['use_vlm'\] in the command line \(.*'use_vllm'\?\)"):
+        parse_overrides(RunConfig, ["--use-vlm", "--beta", "1"])
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping of field: value"):
         load_config(RunConfig, tmp_path / "list.yaml")
