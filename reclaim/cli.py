@@ -52,6 +52,35 @@ def _fit(model: str | None, dtype: str, kv_cache_memory: float | None, *, max_mo
     return path, max_len, budget
 
 
+SPEC_OPT = typer.Option(None, "--speculative", help="Speculative decoding: none, ngram (prompt lookup), "
+                        "eagle:PATH (an EAGLE drafter directory) or eagle (the default model's drafter, "
+                        "trained and cached on first use). Lossless: same outputs as plain decoding.")
+SPEC_TOKENS_OPT = typer.Option(None, "--num-speculative-tokens", help="Draft depth per step (default 4).")
+SPEC_BATCH_OPT = typer.Option(None, "--spec-max-batch", help="Speculation turns off above this many running "
+                              "sequences (default 4).")
+SPEC_TOPK_OPT = typer.Option(None, "--eagle-topk", help="eagle: branches per draft node; > 1 drafts a tree.")
+SPEC_TREE_OPT = typer.Option(None, "--num-draft-tokens", help="eagle tree: tokens verified per step.")
+
+
+def _speculative(spec: str | None, model: str | None, **fields: int | None):
+    """The SpeculativeConfig for --speculative and its flags; 'eagle' alone is the default drafter."""
+    from reclaim.engine.speculative import parse_speculative
+
+    if spec == "eagle":
+        if model not in (None, "default"):
+            raise typer.BadParameter("--speculative eagle (no path) is the default model's drafter; "
+                                     "for another model give eagle:PATH")
+        from reclaim.rl.drafter_trainer import default_drafter_dir
+
+        spec = f"eagle:{default_drafter_dir()}"
+    try:
+        return parse_speculative(spec, num_speculative_tokens=fields.get("num_speculative_tokens"),
+                                 max_batch=fields.get("max_batch"), eagle_topk=fields.get("eagle_topk"),
+                                 num_draft_tokens=fields.get("num_draft_tokens"))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+
 def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | None):
     from reclaim.engine.request import SamplingParams
 
@@ -61,7 +90,8 @@ def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | Non
         raise typer.BadParameter(str(e)) from e
 
 
-def _engine(model: str | None, dtype: str = "float32", kv_cache_memory: float | None = None):
+def _engine(model: str | None, dtype: str = "float32", kv_cache_memory: float | None = None,
+            speculative=None):
     from reclaim.engine.engine import Engine
     from reclaim.models.loading import load_model
 
@@ -69,7 +99,11 @@ def _engine(model: str | None, dtype: str = "float32", kv_cache_memory: float | 
     path, max_len, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=1,
                                    max_model_len=lambda cfg: min(4096, cfg.max_position_embeddings))
     m, tok = load_model(path, dtype=dtype)
-    return Engine(m, tok, max_num_seqs=1, max_model_len=max_len, kv_cache_bytes=kv_bytes)
+    try:
+        return Engine(m, tok, max_num_seqs=1, max_model_len=max_len, kv_cache_bytes=kv_bytes, speculative=speculative)
+    except (ValueError, FileNotFoundError) as e:  # a drafter that does not fit, or is not there
+        typer.echo(f"Error: {e}", err=True)
+        raise typer.Exit(1) from e
 
 
 @app.command()
@@ -83,6 +117,10 @@ def generate(
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
     seed: int = typer.Option(None, help="Seed for reproducible sampling."),
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
+    speculative: str = SPEC_OPT,
+    num_speculative_tokens: int = SPEC_TOKENS_OPT,
+    eagle_topk: int = SPEC_TOPK_OPT,
+    num_draft_tokens: int = SPEC_TREE_OPT,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout."""
     import sys
@@ -91,7 +129,9 @@ def generate(
     from reclaim.models.tokenizer import encode_chat
 
     params = _sampling(max_tokens, temperature, top_p, seed)
-    engine = _engine(model, dtype, kv_cache_memory)
+    spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
+                        num_draft_tokens=num_draft_tokens)
+    engine = _engine(model, dtype, kv_cache_memory, spec)
     ids = engine.tokenizer.encode(prompt) if raw else encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
     stream(engine, ids, params, sys.stdout)
 
@@ -105,6 +145,10 @@ def chat(
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
     seed: int = typer.Option(None, help="Seed for reproducible sampling."),
+    speculative: str = SPEC_OPT,
+    num_speculative_tokens: int = SPEC_TOKENS_OPT,
+    eagle_topk: int = SPEC_TOPK_OPT,
+    num_draft_tokens: int = SPEC_TREE_OPT,
 ) -> None:
     """Chat on stdin: one message per line, replies streamed, history kept ('/reset' clears it)."""
     import sys
@@ -112,7 +156,9 @@ def chat(
     from reclaim.engine.quickstart import chat_loop
 
     params = _sampling(max_tokens, temperature, top_p, seed)
-    chat_loop(_engine(model, dtype, kv_cache_memory), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
+    spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
+                        num_draft_tokens=num_draft_tokens)
+    chat_loop(_engine(model, dtype, kv_cache_memory, spec), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
 
 
 @app.command()
@@ -310,6 +356,40 @@ def bench_serve(
                           out_dir=out_dir)
     main(spec)
     typer.echo(f"wrote {out_dir}/serve.json and {out_dir}/serve.png")
+
+
+# ---- drafter: drafter train (owner: rl) ----
+
+drafter_app = typer.Typer(help="EAGLE drafters for speculative decoding.", no_args_is_help=True)
+app.add_typer(drafter_app, name="drafter")
+
+
+@drafter_app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def drafter_train(
+    ctx: typer.Context,
+    config: str = typer.Option(None, "--config", help="YAML file of DrafterTrainConfig fields, or a "
+                               "bundled config: drafter-smollm2, drafter-quick."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
+) -> None:
+    """Train an EAGLE drafter on the target's hidden states over its own answers to chat prompts
+    and reasoning tasks. Any config field can be overridden as `--field value` (e.g.
+    --model DIR --max_steps 500). The drafter (EAGLE layout) lands in output_dir."""
+    from reclaim.config import load_config
+    from reclaim.rl.drafter_trainer import DrafterTrainConfig, train
+
+    args = list(ctx.args) + (["--resume_from_checkpoint", "true"] if resume else [])
+    try:
+        cfg = load_config(DrafterTrainConfig, config, args)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    summary = train(cfg, log=typer.echo)
+    last = summary["last"] or {}
+    line = f"step {summary['steps']}: loss {last.get('loss', float('nan')):.4f}"
+    if "eval" in summary:
+        ev = summary["eval"]
+        line += (f"; held-out greedy tau {ev['tau']:.2f} (k={ev['num_speculative_tokens']}, "
+                 f"{ev['prompts']} prompts)")
+    typer.echo(f"{line}; drafter in {cfg.output_dir}, log {cfg.output_dir}/log.jsonl")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,18 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'eagle' needs a drafter directory (model=PATH)")
 
 
+def parse_speculative(spec: str | None, **fields: int | None) -> SpeculativeConfig | None:
+    """`--speculative` as a config: None or 'none' (off), 'ngram', 'eagle:PATH'; `fields` are
+    SpeculativeConfig's other fields (None keeps the default)."""
+    if spec is None or spec == "none":
+        return None
+    method, _, path = spec.partition(":")
+    if method not in SPECULATIVE_METHODS or (method == "ngram" and path):
+        raise ValueError(f"--speculative {spec!r} is unknown; allowed: none, ngram, eagle:PATH (a drafter "
+                         "directory in the EAGLE layout)")
+    return SpeculativeConfig(method=method, model=path or None, **{k: v for k, v in fields.items() if v is not None})
+
+
 @dataclass
 class DraftRequest:
     """One sequence asking for a draft: its tokens so far (the last one not yet run by the target)."""

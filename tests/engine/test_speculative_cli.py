@@ -1,0 +1,60 @@
+"""`--speculative` on generate and chat: the same text as plain decoding, and bad values refused
+with the allowed forms named."""
+
+import re
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from reclaim.cli import app
+from reclaim.models.drafter import new_drafter, save_drafter
+from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
+from reclaim.models.loading import load_model, save_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_model_dir):
+    from reclaim.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return str(save_model(LlamaForCausalLM(cfg), tok, tmp_path_factory.mktemp("spec") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_dir, tmp_path_factory):
+    target, _ = load_model(tiny_dir)
+    torch.manual_seed(1)
+    return str(save_drafter(new_drafter(target), tmp_path_factory.mktemp("spec") / "drafter"))
+
+
+@pytest.mark.parametrize("command", [["generate", "Say hello twice: hello hello"], ["chat"]])
+@pytest.mark.parametrize("spec", ["ngram", "eagle:{d}", "eagle:{d} --eagle-topk 3 --num-draft-tokens 6"])
+def test_speculative_output_equals_plain(tiny_dir, drafter_dir, command, spec):
+    base = [*command, "-m", tiny_dir, "--max-tokens", "24"]
+    plain = CliRunner().invoke(app, base, input="Say hello twice: hello hello\n")
+    fast = CliRunner().invoke(app, base + ["--speculative", *spec.format(d=drafter_dir).split()],
+                              input="Say hello twice: hello hello\n")
+    assert plain.exit_code == 0 and fast.exit_code == 0, (plain.output, fast.output)
+    assert fast.output == plain.output
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("medusa", "'medusa' is unknown; allowed: none, ngram, eagle:PATH"),
+    ("eagle:/no/such/drafter", "/no/such/drafter"),
+])
+def test_bad_speculative_values_are_refused(tiny_dir, spec, message):
+    res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--speculative", spec])
+    text = re.sub(r"[\s│╭╮╰╯─]+", " ", res.output)  # typer's error box wraps lines
+    assert res.exit_code != 0 and message in text, text
+
+
+def test_drafter_for_another_model_is_refused(tiny_dir, tmp_path):
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=64))
+    path = save_drafter(new_drafter(other), tmp_path / "other")
+    res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--speculative", f"eagle:{path}"])
+    assert res.exit_code == 1 and "hidden_size=16 but the target has hidden_size=32" in res.output
