@@ -154,25 +154,62 @@ def guarded_protocol(limits: ConnectionLimits,
     return GuardedH11Protocol
 
 
+class Throttle:
+    """Lets an event through at most once per `every_s` seconds; `__call__` returns how many were
+    held back since the last one let through, or None to hold this one back."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s, self.last, self.held = every_s, -math.inf, 0
+
+    def __call__(self) -> int | None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.held += 1
+            return None
+        held, self.last, self.held = self.held, now, 0
+        return held
+
+
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 10.0) -> None:
     """Log 'socket.accept() out of system resource' at most once per `every_s` seconds (with how
     many were left out); asyncio would log it, with a traceback, on every failed accept."""
     previous = loop.get_exception_handler()
-    last, left_out = -math.inf, 0
+    throttle = Throttle(every_s)
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        nonlocal last, left_out
         if context.get("message") != ACCEPT_ERROR:
             if previous is not None:
                 return previous(loop, context)
             return loop.default_exception_handler(context)
-        now = time.monotonic()
-        if now - last < every_s:
-            left_out += 1
-            return
-        log.error("cannot accept connections: %s (%d more in the last %g s); raise the file "
-                  "limit (ulimit -n) or lower --limit-concurrency", context.get("exception"),
-                  left_out, every_s)
-        last, left_out = now, 0
+        held = throttle()
+        if held is not None:
+            log.error("cannot accept connections: %s (%d more in the last %g s); raise the file "
+                      "limit (ulimit -n) or lower --limit-concurrency", context.get("exception"),
+                      held, every_s)
 
     loop.set_exception_handler(handler)
+
+
+class QuietInvalidHTTP(logging.Filter):
+    """uvicorn warns once per malformed request; let one warning through per 10 s, with a count."""
+
+    MESSAGE = "Invalid HTTP request received."
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        super().__init__()
+        self.throttle, self.every_s = Throttle(every_s), every_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE:
+            return True
+        held = self.throttle()
+        if held:
+            record.msg = f"{self.MESSAGE} ({held} more in the last {self.every_s:g} s)"
+        return held is not None
+
+    @classmethod
+    def install(cls) -> None:
+        """Add the filter to uvicorn's error logger once per process."""
+        logger = logging.getLogger("uvicorn.error")
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())

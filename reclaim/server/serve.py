@@ -21,7 +21,8 @@ from typing import Any
 import uvicorn
 
 from reclaim.server.app import ServerState, create_app
-from reclaim.server.connections import ConnectionLimits, guarded_protocol, quiet_accept_errors
+from reclaim.server.connections import (ConnectionLimits, QuietInvalidHTTP, guarded_protocol,
+                                        quiet_accept_errors)
 from reclaim.server.metrics import ServerMetrics
 from reclaim.server.plan import Limits, max_token_chars
 from reclaim.server.runner import EngineRunner
@@ -86,10 +87,12 @@ def raise_file_limit(connections: ConnectionLimits) -> None:
 
 
 class Server(uvicorn.Server):
-    """uvicorn whose event loop logs accept failures (out of descriptors) at most every 10 s."""
+    """uvicorn that logs accept failures (out of descriptors) and malformed requests at most once
+    every 10 s, so a flood of either cannot flood the log."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         quiet_accept_errors(asyncio.get_running_loop())
+        QuietInvalidHTTP.install()
         await super().startup(sockets)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 
@@ -19,3 +21,13 @@ def server():
 def http(server):
     with httpx.Client(base_url=server.url, timeout=30) as client:
         yield client
+
+
+@pytest.fixture
+def uvicorn_log(caplog):
+    """caplog, also seeing uvicorn's own loggers (they do not propagate to the root)."""
+    logger = logging.getLogger("uvicorn")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.DEBUG)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -86,8 +86,8 @@ def test_malformed_http_gets_openai_json(server, data):
     assert set(err) == {"message", "type", "param", "code"} and "malformed" in err["message"]
 
 
-def test_disconnect_mid_body_is_one_info_line(server, http, caplog):
-    caplog.set_level(logging.DEBUG)
+def test_disconnect_mid_body_is_one_info_line(server, http, uvicorn_log):
+    caplog = uvicorn_log
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"prompt\": \"a")

@@ -201,3 +201,15 @@ def test_out_of_descriptors_logs_one_line_not_a_flood(caplog):
         assert live.healthy()
     finally:
         live.stop()
+
+
+def test_malformed_request_flood_logs_one_line(server, uvicorn_log):
+    for _ in range(50):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 400") and b'"error"' in reply
+    warnings = [r for r in uvicorn_log.records if "Invalid HTTP request" in r.getMessage()]
+    assert len(warnings) <= 1, len(warnings)  # one per 10 s (none if one went out just before)

@@ -120,7 +120,7 @@ def test_draining_server_refuses_new_work(server, http):
     assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
 
 
-def test_stuck_engine_at_shutdown_still_ends_streams_without_traceback(caplog):
+def test_stuck_engine_at_shutdown_still_ends_streams_without_traceback(uvicorn_log):
     """If the engine cannot deliver the aborts in time, uvicorn's cancel ends the stream with
     [DONE] and one INFO line instead of a CancelledError traceback."""
     tokenizer = make_tokenizer()
@@ -144,7 +144,7 @@ def test_stuck_engine_at_shutdown_still_ends_streams_without_traceback(caplog):
     server = QuickDrain(uvicorn_config(app, ConnectionLimits(), runner.metrics,
                                        log_level="info"), state, runner, grace=0.3)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    caplog.set_level(logging.INFO)
+    caplog = uvicorn_log
     thread.start()
     reader = StreamReader(url, 200)
     deadline = time.monotonic() + 30
