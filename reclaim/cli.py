@@ -392,5 +392,32 @@ def drafter_train(
     typer.echo(f"{line}; drafter in {cfg.output_dir}, log {cfg.output_dir}/log.jsonl")
 
 
+@bench_app.command("spec")
+def bench_spec(
+    model: str = typer.Argument(None, help="HF model directory; omitted: the bundled SmolLM2."),
+    drafter: str = typer.Option(None, help="EAGLE drafter directory; omitted: the default model's "
+                                "(trained and cached on first use)."),
+    batch_sizes: str = typer.Option("1,4,16", help="Comma-separated most running sequences."),
+    temperatures: str = typer.Option("0,0.7", help="Comma-separated sampling temperatures (0 = greedy)."),
+    num_prompts: int = typer.Option(16, help="Prompts per point (batch 1 runs half): reasoning tasks and chat."),
+    max_tokens: int = typer.Option(64, help="Most tokens per prompt (stops at EOS)."),
+    depth: int = typer.Option(4, help="Draft depth (num_speculative_tokens)."),
+    tree_topk: int = typer.Option(4, help="eagle-tree: branches per node."),
+    tree_tokens: int = typer.Option(8, help="eagle-tree: tokens verified per step."),
+    spec_max_batch: int = typer.Option(4, help="Speculation turns off above this many running sequences."),
+    threads: int = typer.Option(1, help="torch threads."),
+    out_dir: str = typer.Option("benchmarks", help="Where spec.json and spec.png go."),
+) -> None:
+    """Speculative decoding (ngram, EAGLE chain and tree) vs plain decoding and transformers."""
+    from reclaim.bench.spec import SpecBenchSpec, main
+
+    spec = SpecBenchSpec(model=model, drafter=drafter, batch_sizes=[int(b) for b in batch_sizes.split(",")],
+                         temperatures=[float(t) for t in temperatures.split(",")], num_prompts=num_prompts,
+                         max_tokens=max_tokens, depth=depth, tree_topk=tree_topk, tree_tokens=tree_tokens,
+                         spec_max_batch=spec_max_batch, threads=threads, out_dir=out_dir)
+    main(spec)
+    typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
+
+
 if __name__ == "__main__":
     app()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -104,7 +105,7 @@ class Engine:
         self.kv_on_weight_update = kv_on_weight_update
         self.speculative = speculative
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
-        self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0}
+        self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0}
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
@@ -301,6 +302,7 @@ class Engine:
 
     def _drafts(self, chunks: list[ScheduledChunk]) -> dict[str, Draft]:
         """Drafts for the decodes the scheduler left room for (empty drafts dropped)."""
+        t0 = time.perf_counter()
         asks = [DraftRequest(c.request_id, self._requests[c.request_id].seq.token_ids, c.lookahead,
                              self._requests[c.request_id].seq.params, self._requests[c.request_id].generator)
                 for c in chunks if c.lookahead > 0]
@@ -310,6 +312,7 @@ class Engine:
         for ask, d in zip(asks, self.drafter.propose(asks)):
             if d.tokens:
                 drafts[ask.seq_id] = d.truncate(ask.max_tokens)
+        self.spec_stats["draft_seconds"] += time.perf_counter() - t0
         return drafts
 
     def _verify(self, chunk: ScheduledChunk, req: RequestState, logits: torch.Tensor, draft: Draft,

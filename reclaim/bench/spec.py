@@ -1,0 +1,218 @@
+"""`reclaim bench spec`: speculative decoding against plain decoding, in one process.
+
+On the same model, prompts (reasoning tasks and chat) and sampling settings, each method runs
+the prompts through the engine with at most `batch` sequences at a time: plain decoding, ngram
+(prompt lookup), an EAGLE chain and an EAGLE tree. Reported per point: output tokens/s, the
+speed-up over plain decoding, the mean accepted length tau (tokens committed per verifying
+forward, the bonus token included, as EAGLE reports it), the drafter's share of the time, and for
+greedy runs whether every output equals plain decoding's. At batch 1, transformers' `generate`
+and its own prompt-lookup decoding (`prompt_lookup_num_tokens`) run as the outside peers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reclaim.bench.meta import finish_metadata, run_metadata
+
+CHAT = [
+    "Explain why the sky is blue in a short paragraph.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "List five tips for learning a new language, one line each.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "Give me a recipe for pancakes with the steps numbered.",
+    "Why do we have seasons on Earth?",
+    "Write a haiku about autumn leaves, then explain it.",
+]
+
+
+def reasoning_prompts(n: int, seed: int = 0) -> list[str]:
+    """Arithmetic word problems with a worked answer expected (reasoning-style outputs)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+        out.append(f"A shop sells {a} apples in the morning and {b} in the afternoon. Each apple costs "
+                   f"{c} dollars. How much money did the shop make? Think step by step.")
+    return out
+
+
+@dataclass
+class SpecBenchSpec:
+    """One sweep: methods x temperatures x batch sizes on the same prompts."""
+
+    model: str | None = None
+    drafter: str | None = None  # EAGLE drafter directory; None: the default model's (trained once)
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
+    num_prompts: int = 16  # batch 1 runs the first half
+    max_tokens: int = 64
+    depth: int = 4
+    tree_topk: int = 4
+    tree_tokens: int = 8
+    spec_max_batch: int = 4
+    threads: int | None = 1
+    hf_peer: bool = True
+    seed: int = 0
+    out_dir: str = "benchmarks"
+
+
+def _methods(spec: SpecBenchSpec, drafter: str) -> dict[str, Any]:
+    from reclaim.engine.speculative import SpeculativeConfig
+
+    common = {"num_speculative_tokens": spec.depth, "max_batch": spec.spec_max_batch}
+    return {
+        "plain": None,
+        "ngram": SpeculativeConfig(method="ngram", prompt_lookup_max=3, **common),
+        "eagle-chain": SpeculativeConfig(method="eagle", model=drafter, **common),
+        "eagle-tree": SpeculativeConfig(method="eagle", model=drafter, eagle_topk=spec.tree_topk,
+                                        num_draft_tokens=spec.tree_tokens, **common),
+    }
+
+
+def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batch: int,
+               speculative: Any) -> dict[str, Any]:
+    """Generate every prompt with at most `batch` running; tokens/s, tau, draft share, outputs."""
+    from reclaim.engine.engine import Engine
+
+    engine = Engine(model, tok, max_num_seqs=batch, max_model_len=1024, speculative=speculative, seed=0)
+    engine.generate(prompts[:1], params)  # warm-up
+    engine.spec_stats.update({k: 0 for k in engine.spec_stats})
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    secs = time.perf_counter() - t
+    s = engine.spec_stats
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+            "tau": (s["accepted"] + s["verifies"]) / s["verifies"] if s["verifies"] else None,
+            "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else None,
+            "draft_share": s["draft_seconds"] / secs, "verifies": s["verifies"],
+            "outputs": [o.token_ids for o in outs]}
+
+
+def run_hf(hf: Any, prompts: list[list[int]], max_tokens: int, lookup: int | None) -> dict[str, Any]:
+    """transformers' greedy generate one prompt at a time, optionally with its prompt lookup."""
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    extra = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}
+    with torch.inference_mode():
+        hf.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, **extra)
+        outs, t = [], time.perf_counter()
+        for p in prompts:
+            ids = hf.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=max_tokens, do_sample=False, **extra)[0, len(p):].tolist()
+            cut = next((i + 1 for i, x in enumerate(ids) if x in eos), len(ids))
+            outs.append(ids[:cut])
+        secs = time.perf_counter() - t
+    tokens = sum(len(o) for o in outs)
+    return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs, "outputs": outs}
+
+
+def measure(spec: SpecBenchSpec) -> dict[str, Any]:
+    from reclaim.engine.request import SamplingParams
+    from reclaim.models.loading import load_model, resolve_model_dir
+    from reclaim.models.tokenizer import encode_chat
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    meta = run_metadata()
+    model, tok = load_model(spec.model)
+    drafter = spec.drafter
+    drafter_seconds = None
+    if drafter is None:
+        from reclaim.rl.drafter_trainer import default_drafter_dir
+
+        t = time.perf_counter()
+        drafter = str(default_drafter_dir())
+        drafter_seconds = time.perf_counter() - t
+    half = spec.num_prompts // 2
+    texts = reasoning_prompts(half, spec.seed) + CHAT[: spec.num_prompts - half]
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in texts]
+    prompts = [p for pair in zip(prompts[:half], prompts[half:]) for p in pair]  # mix kinds in every wave
+    methods = _methods(spec, drafter)
+    points = []
+    for temp in spec.temperatures:
+        params = SamplingParams(temperature=temp, max_tokens=spec.max_tokens, seed=None)
+        for batch in spec.batch_sizes:
+            use = prompts[: max(batch, half)] if batch == 1 else prompts
+            runs = {name: run_engine(model, tok, use, params, batch, cfg) for name, cfg in methods.items()}
+            base = runs["plain"]
+            for name, r in runs.items():
+                row = {"temperature": temp, "batch": batch, "method": name, "prompts": len(use),
+                       **{k: v for k, v in r.items() if k != "outputs"},
+                       "speedup": r["tokens_per_s"] / base["tokens_per_s"]}
+                if temp == 0:
+                    row["identical_to_plain"] = sum(a == b for a, b in zip(r["outputs"], base["outputs"]))
+                points.append(row)
+                _print(row)
+            if spec.hf_peer and batch == 1 and temp == 0:
+                hf = _hf(spec.model)
+                for name, lookup in (("transformers", None), ("transformers-prompt-lookup", spec.depth)):
+                    r = run_hf(hf, use, spec.max_tokens, lookup)
+                    row = {"temperature": temp, "batch": batch, "method": name, "prompts": len(use),
+                           **{k: v for k, v in r.items() if k != "outputs"},
+                           "speedup": r["tokens_per_s"] / base["tokens_per_s"],
+                           "identical_to_plain": sum(a == b for a, b in zip(r["outputs"], base["outputs"]))}
+                    points.append(row)
+                    _print(row)
+    return {"spec": asdict(spec), "model": str(resolve_model_dir(spec.model)), "drafter": drafter,
+            "drafter_train_seconds": drafter_seconds, "points": points, "meta": finish_metadata(meta)}
+
+
+def _hf(model: str | None) -> Any:
+    from reclaim.models.hf import load_hf_model
+    from reclaim.models.loading import resolve_model_dir
+
+    return load_hf_model(resolve_model_dir(model))
+
+
+def _print(row: dict[str, Any]) -> None:
+    tau = f"tau {row['tau']:.2f}" if row.get("tau") else ""
+    same = f"identical {row['identical_to_plain']}/{row['prompts']}" if "identical_to_plain" in row else ""
+    print(f"T={row['temperature']} batch {row['batch']:>2} {row['method']:<27} {row['tokens_per_s']:7.1f} tok/s "
+          f"{row['speedup']:5.2f}x {tau} {same}", flush=True)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = result["spec"]["temperatures"]
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        rows = [r for r in result["points"] if r["temperature"] == temp]
+        batches = sorted({r["batch"] for r in rows})
+        methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            xs = [j + i * width for j, b in enumerate(batches) if any(r["method"] == m and r["batch"] == b for r in rows)]
+            ys = [r["speedup"] for b in batches for r in rows if r["method"] == m and r["batch"] == b]
+            ax.bar(xs, ys, width, label=m)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_ylabel("tokens/s vs plain decoding")
+        ax.set_title(f"temperature {temp}")
+        ax.legend(fontsize=7)
+    fig.suptitle("Speculative decoding on the CPU (reclaim bench spec)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(spec: SpecBenchSpec) -> dict[str, Any]:
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = measure(spec)
+    (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / "spec.png")
+    return result
