@@ -162,3 +162,27 @@ def test_sampled_eagle_tree_matches_plain_distribution():
     torch.manual_seed(3)
     proposer = EagleProposer(new_drafter(target), target, topk=3, depth=2, total=5)
     assert _joint_chi2_passes(target, proposer, top_k=0)  # top-k's own tree case: test_speculative
+
+
+def test_weight_swap_during_speculation_continues_as_the_new_weights_would(target_and_drafter):
+    """After update_weights mid-response, the target's K/V is recomputed and the drafter's cache
+    truncated with it: the rest of the output is the new weights' greedy continuation."""
+    target, drafter = target_and_drafter
+    other, _ = make_pair(seed=9)
+    eng = Engine(make_pair(seed=1)[0], num_blocks=128, block_size=4, speculative=SPEC,
+                 drafter=EagleProposer(drafter, target))
+    prompt = _prompts(1, seed=8)[0]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eng.add_request("r", prompt, params)
+    head = []
+    while len(head) < 4:
+        for o in eng.step():
+            head += o.new_token_ids
+    eng.update_weights(other.state_dict())
+    rest = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            rest += o.new_token_ids
+    want = Engine(other, num_blocks=128, block_size=4).generate(
+        [prompt + head], SamplingParams(temperature=0, max_tokens=16 - len(head), ignore_eos=True))[0]
+    assert rest == want.token_ids
