@@ -1,0 +1,621 @@
+"""Training an EAGLE drafter on the target's own hidden states (the TLT / EAGLE recipe).
+
+A sample is a sequence the target produced (prompt + its response), the target's final-norm
+hidden states f_0..f_{T-1} over it, and a mask of the response tokens. The drafter sees the
+pairs (f_i + noise, embed(x_{i+1})) at positions i = 0..T-2 with causal attention and predicts
+g_i ~ f_{i+1}; the loss, over positions whose f_{i+1} belongs to the response, is
+
+    reg_weight * SmoothL1(g_i, f_{i+1}) + ce_weight * CE(softmax(head(f_{i+1})), log_softmax(head(g_i)))
+
+with the target's embeddings and LM head frozen (the soft cross-entropy is against the target's
+next-token distribution). EAGLE (SafeAILab/EAGLE, train/main.py) weights them 1.0 and 0.1 and adds
+uniform noise to the input features, (U[0,1) - 0.5) * 0.2 * 512 / T, which is +-0.1 at its usual
+T = 512; here the noise is a fixed U(-feature_noise, feature_noise), 0.1 by default.
+
+Online use (the RL engine on idle workers): `collect` turns rollouts into samples (or take the
+hidden states the engine already computed), a `DrafterBuffer` keeps the newest within a token
+budget, `train_drafter` runs optimizer steps on it. Batches and noise are drawn from (seed, step),
+so a resumed run repeats exactly what an uninterrupted one does.
+
+Offline use: `reclaim drafter train --config drafter-smollm2` (`train`): the target answers chat
+prompts and procedural tasks with the engine, then the drafter trains with a progress bar,
+log.jsonl, HF-style checkpoint-{step}/ directories and --resume; the final drafter (the EAGLE
+layout) lands in output_dir, and `greedy_acceptance` on held-out prompts gives its tau.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from reclaim.data.tasks import PROMPT_SOURCES
+from reclaim.models.cache import DenseCache
+from reclaim.models.drafter import EagleDrafter, load_drafter, new_drafter, save_drafter
+from reclaim.paths import cache_root
+from reclaim.schedule import SCHEDULES, lr_scheduler
+
+CHECKPOINT_PREFIX = "checkpoint-"
+CE_VOCABS = ("full", "buffer")
+
+
+# ---- samples and the buffer --------------------------------------------------------------------
+
+@dataclass
+class DrafterSample:
+    """One sequence for drafter training: its tokens, the target's hidden states, response mask."""
+
+    token_ids: torch.Tensor  # [T] int64
+    hidden: torch.Tensor  # [T, H] the target's final-norm hidden states, detached
+    loss_mask: torch.Tensor  # [T] bool: True at response tokens
+
+    def __post_init__(self) -> None:
+        t = self.token_ids.shape[0]
+        if self.token_ids.dim() != 1 or self.hidden.shape[0] != t or self.loss_mask.shape != (t,):
+            raise ValueError(f"a drafter sample needs token_ids [T], hidden [T, H], loss_mask [T]; got "
+                             f"{tuple(self.token_ids.shape)}, {tuple(self.hidden.shape)}, "
+                             f"{tuple(self.loss_mask.shape)}")
+        if not bool(self.loss_mask[1:].any()):
+            raise ValueError("a drafter sample needs a response token after position 0 "
+                             "(the loss covers response positions only)")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+class DrafterBuffer:
+    """Samples for drafter training, at most `max_tokens` tokens: adding more drops the oldest."""
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+        self._samples: collections.deque[DrafterSample] = collections.deque()
+
+    def add(self, samples: Iterable[DrafterSample]) -> int:
+        """Append samples (newest last); returns how many old samples were dropped to fit."""
+        dropped = 0
+        for s in samples:
+            if s.num_tokens > self.max_tokens:
+                raise ValueError(f"a sample of {s.num_tokens} tokens exceeds the buffer's budget of "
+                                 f"{self.max_tokens} tokens")
+            self._samples.append(s)
+            self.num_tokens += s.num_tokens
+            while self.num_tokens > self.max_tokens:
+                self.num_tokens -= self._samples.popleft().num_tokens
+                dropped += 1
+        return dropped
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __iter__(self):
+        return iter(self._samples)
+
+    def __getitem__(self, i: int) -> DrafterSample:
+        return self._samples[i]
+
+    def vocab(self) -> torch.Tensor:
+        """The distinct token ids in the buffer, sorted."""
+        return torch.unique(torch.cat([s.token_ids for s in self._samples]))
+
+    def batch(self, step: int, seed: int, batch_size: int, batch_tokens: int) -> list[DrafterSample]:
+        """Step `step`'s batch: samples in an order drawn from (seed, step), taken while at most
+        `batch_size` sequences and `batch_tokens` padded tokens (at least one sequence)."""
+        if not self._samples:
+            raise ValueError("the drafter buffer is empty; add samples (collect) before training")
+        g = torch.Generator().manual_seed(_mix(seed, step, 0))
+        out: list[DrafterSample] = []
+        longest = 0
+        for i in torch.randperm(len(self._samples), generator=g).tolist():
+            s = self._samples[i]
+            longest_if = max(longest, s.num_tokens)
+            if out and (len(out) >= batch_size or longest_if * (len(out) + 1) > batch_tokens):
+                break
+            out.append(s)
+            longest = longest_if
+        return out
+
+
+def _mix(seed: int, step: int, stream: int) -> int:
+    """A generator seed for (seed, step, stream), so each step's draws do not depend on history."""
+    return (seed * 1_000_003 + step * 7_919 + stream) % (2**63 - 1)
+
+
+@torch.no_grad()
+def collect(target: torch.nn.Module, prompts_ids: Sequence[Sequence[int]],
+            responses_ids: Sequence[Sequence[int]], *, store: str | torch.device = "cpu") -> list[DrafterSample]:
+    """Samples from rollouts: one no-grad target forward per prompt + response for its hidden
+    states, kept on `store`; the loss mask covers the response."""
+    if len(prompts_ids) != len(responses_ids):
+        raise ValueError(f"{len(prompts_ids)} prompts but {len(responses_ids)} responses")
+    device = next(target.parameters()).device
+    samples = []
+    for prompt, response in zip(prompts_ids, responses_ids):
+        if not prompt or not response:
+            raise ValueError("collect needs a non-empty prompt and response for every sequence")
+        ids = torch.tensor([list(prompt) + list(response)], device=device)
+        hidden = target(ids, return_hidden=True, compute_logits=False).hidden[0]
+        mask = torch.zeros(ids.shape[1], dtype=torch.bool)
+        mask[len(prompt):] = True
+        samples.append(DrafterSample(ids[0].cpu(), hidden.to(store), mask))
+    return samples
+
+
+class HiddenRecorder:
+    """An engine `on_forward` hook that keeps each request's hidden states as the engine
+    computes them (no extra forward); a recomputed position (preemption) replaces the old one."""
+
+    def __init__(self, store: str | torch.device = "cpu") -> None:
+        self.store = store
+        self._parts: dict[str, list[tuple[int, torch.Tensor]]] = collections.defaultdict(list)
+
+    def __call__(self, records: list) -> None:
+        for r in records:
+            self._parts[r.request_id].append((r.start, r.hidden.detach().to(self.store, copy=True)))
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's states."""
+        self._parts.pop(request_id, None)
+
+    def sample(self, request_id: str, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> DrafterSample:
+        """The request's sample: prompt + response without its last token, which the target
+        never ran (it was sampled and the request ended), with the recorded hidden states."""
+        ids = list(prompt_ids) + list(response_ids)[:-1]
+        parts = self._parts.pop(request_id, [])
+        if not parts:
+            raise ValueError(f"no hidden states were recorded for request {request_id!r}; pass the "
+                             "recorder as the engine's on_forward")
+        hidden = torch.empty(len(ids), parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=self.store)
+        seen = torch.zeros(len(ids), dtype=torch.bool)
+        for start, h in parts:
+            n = min(h.shape[0], len(ids) - start)
+            hidden[start:start + n], seen[start:start + n] = h[:n], True
+        if not bool(seen.all()):
+            raise ValueError(f"request {request_id!r}: hidden states of positions "
+                             f"{(~seen).nonzero().flatten().tolist()[:8]} were not recorded")
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(prompt_ids):] = True
+        return DrafterSample(torch.tensor(ids), hidden, mask)
+
+
+# ---- the loss and the training steps -----------------------------------------------------------
+
+def _pad(batch: Sequence[DrafterSample], device: torch.device, dtype: torch.dtype):
+    t = max(s.num_tokens for s in batch)
+    h = batch[0].hidden.shape[-1]
+    ids = torch.zeros(len(batch), t, dtype=torch.long)
+    hidden = torch.zeros(len(batch), t, h, dtype=dtype)
+    mask = torch.zeros(len(batch), t, dtype=torch.bool)
+    for i, s in enumerate(batch):
+        n = s.num_tokens
+        ids[i, :n], hidden[i, :n], mask[i, :n] = s.token_ids, s.hidden.to(dtype), s.loss_mask
+    return ids.to(device), hidden.to(device), mask.to(device)
+
+
+def drafter_loss(drafter: EagleDrafter, target: torch.nn.Module, batch: Sequence[DrafterSample], *,
+                 feature_noise: float = 0.1, reg_weight: float = 1.0, ce_weight: float = 0.1,
+                 ce_vocab: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The EAGLE loss on a batch (see the module docstring) and its parts: reg_loss, ce_loss,
+    accuracy (the drafter's top-1 equals the target's), tokens.
+
+    ce_vocab: token ids the cross-entropy's two distributions are taken over (renormalised), e.g.
+    the buffer's tokens (`DrafterBuffer.vocab`); None: the whole vocabulary. A small model's head
+    is most of a step's cost, and greedy rollouts' argmax tokens are all in the buffer."""
+    p = next(drafter.parameters())
+    embed_w, head_w = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    if ce_vocab is not None:
+        head_w = head_w[ce_vocab.to(head_w.device)]
+    ids, hidden, mask = _pad(batch, p.device, p.dtype)
+    b, t = ids.shape
+    with torch.no_grad():
+        embeds = F.embedding(ids[:, 1:], embed_w)
+        feats = hidden[:, :-1]
+        if feature_noise:
+            noise = torch.rand(feats.shape, generator=generator, dtype=torch.float32)
+            feats = feats + ((noise * 2 - 1) * feature_noise).to(feats)
+        sel = mask[:, 1:]  # g_i counts where f_{i+1} is a response token's state
+        want = hidden[:, 1:][sel]
+        target_probs = torch.softmax(F.linear(want, head_w).float(), dim=-1)
+    positions = torch.arange(t - 1, device=ids.device).expand(b, -1)
+    g = drafter(embeds, feats, positions)[sel]
+    reg = F.smooth_l1_loss(g.float(), want.float(), reduction="none").mean(-1).mean()
+    logq = torch.log_softmax(F.linear(g, head_w).float(), dim=-1)
+    ce = -(target_probs * logq).sum(-1).mean()
+    loss = reg_weight * reg + ce_weight * ce
+    acc = (logq.argmax(-1) == target_probs.argmax(-1)).float().mean()
+    return loss, {"reg_loss": reg.item(), "ce_loss": ce.item(), "accuracy": acc.item(),
+                  "tokens": int(sel.sum())}
+
+
+def make_optimizer(drafter: EagleDrafter, lr: float, *, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW over the drafter's own weights (EAGLE's betas)."""
+    return torch.optim.AdamW(drafter.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: DrafterBuffer, *,
+                  steps: int, optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-4,
+                  scheduler: Any = None, batch_size: int = 8, batch_tokens: int = 4096,
+                  feature_noise: float = 0.1, reg_weight: float = 1.0, ce_weight: float = 0.1,
+                  ce_vocab: torch.Tensor | None = None, max_grad_norm: float = 0.5, seed: int = 0,
+                  start_step: int = 0,
+                  on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Run `steps` optimizer steps (numbered from `start_step`) of the drafter on the buffer; the
+    target gets no gradient. Pass the same optimizer (and scheduler) across calls to continue
+    training; without one, AdamW at `lr`. Returns one record per step (also given to on_step)."""
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if optimizer is None:
+        optimizer = make_optimizer(drafter, lr)
+    mine = {id(q) for q in drafter.parameters()}
+    if any(id(q) not in mine for group in optimizer.param_groups for q in group["params"]):
+        raise ValueError("the optimizer holds parameters that are not the drafter's; the target "
+                         "(embeddings, head) stays frozen")
+    was_training = drafter.training
+    drafter.train()
+    records = []
+    try:
+        for step in range(start_step, start_step + steps):
+            t0 = time.perf_counter()
+            batch = buffer.batch(step, seed, batch_size, batch_tokens)
+            noise = torch.Generator().manual_seed(_mix(seed, step, 1))
+            optimizer.zero_grad(set_to_none=True)
+            loss, parts = drafter_loss(drafter, target, batch, feature_noise=feature_noise,
+                                       reg_weight=reg_weight, ce_weight=ce_weight, ce_vocab=ce_vocab,
+                                       generator=noise)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), max_grad_norm)
+            lr_now = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            rec = {"step": step + 1, "loss": loss.item(), **parts, "learning_rate": lr_now,
+                   "grad_norm": float(norm), "step_s": time.perf_counter() - t0}
+            records.append(rec)
+            if on_step is not None:
+                on_step(rec)
+    finally:
+        drafter.train(was_training)
+    return records
+
+
+# ---- acceptance: what a greedy chain draft would get ------------------------------------------
+
+def _truncate(cache: DenseCache, n: int) -> None:
+    for d in (cache.keys, cache.values):
+        for layer in list(d):
+            d[layer] = d[layer][:, :, :n]
+
+
+@torch.no_grad()
+def greedy_acceptance(drafter: EagleDrafter, target: torch.nn.Module, samples: Iterable[DrafterSample],
+                      num_speculative_tokens: int = 4) -> dict[str, float]:
+    """Replay greedy chain speculation over samples whose responses are the target's greedy
+    output: at each verify the drafter proposes k tokens from the true states so far (feeding
+    its own predictions after the first), the leading ones equal to the response are accepted,
+    plus the target's bonus token. Returns verifies, accepted and tau = tokens per verify."""
+    k = num_speculative_tokens
+    embed, head = target.model.embed_tokens, target.lm_head
+    p = next(drafter.parameters())
+    was_training = drafter.training
+    drafter.eval()
+    verifies = accepted = 0
+    for s in samples:
+        ids, hidden = s.token_ids.to(p.device), s.hidden.to(p.device, p.dtype)
+        t = s.num_tokens
+        n = int(s.loss_mask.float().argmax())  # the first response token: sampled at prefill
+        cache, fed = DenseCache(drafter.config.sliding_window), 0
+
+        def feed(tokens: torch.Tensor, feats: torch.Tensor, start: int) -> torch.Tensor:
+            pos = torch.arange(start, start + tokens.shape[0], device=p.device)[None]
+            return drafter(embed(tokens[None]), feats[None], pos, cache)[0, -1]
+
+        while n < t - 1:
+            g = feed(ids[fed + 1:n + 1], hidden[fed:n], fed)  # pairs (f_i, x_{i+1}), i < n
+            fed = n
+            draft, m = [], min(k, t - 1 - n)
+            for j in range(m):
+                tok = head(g).argmax()
+                draft.append(int(tok))
+                if j + 1 < m:
+                    g = feed(tok[None], g[None], n + j)
+            _truncate(cache, n)
+            a = 0
+            while a < len(draft) and draft[a] == int(ids[n + 1 + a]):
+                a += 1
+            verifies += 1
+            accepted += a
+            n += a + 1
+    drafter.train(was_training)
+    return {"verifies": verifies, "accepted": accepted,
+            "tau": (accepted + verifies) / verifies if verifies else 0.0}
+
+
+# ---- `reclaim drafter train` -------------------------------------------------------------------
+
+@dataclass
+class DrafterTrainConfig:
+    """`reclaim drafter train`: the target answers prompts, the drafter learns its hidden states.
+
+    Names follow transformers' TrainingArguments where they exist. Load one with
+    `reclaim.config.load_config(DrafterTrainConfig, path_or_name, overrides)`.
+    """
+
+    output_dir: str = "runs/drafter"
+    model: str | None = None  # the target's HF directory; None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    device: str = "cpu"
+    # Data: the target's own answers to these prompts (chat template applied).
+    prompts: str = "mixed"  # chat | tasks | mixed | a file: one prompt per line or JSON lines {"prompt"}
+    num_prompts: int = 128
+    eval_prompts: int = 16  # held out (drawn after the training prompts): greedy tau at the end
+    max_new_tokens: int = 96
+    temperature: float = 0.0  # 0: greedy answers
+    generation_batch_size: int = 32  # sequences the engine runs at once
+    buffer_tokens: int = 1_000_000
+    # Optimisation.
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    max_grad_norm: float = 0.5
+    max_steps: int = 300
+    per_device_train_batch_size: int = 8  # sequences per step
+    max_batch_tokens: int = 4096  # padded tokens per step
+    warmup_steps: int = 0  # > 0 wins over warmup_ratio, as in transformers
+    warmup_ratio: float = 0.0
+    lr_scheduler_type: str = "cosine"
+    feature_noise: float = 0.1
+    ce_vocab: str = "buffer"  # full | buffer: the cross-entropy over the buffer's tokens (cheaper)
+    reg_loss_weight: float = 1.0
+    ce_loss_weight: float = 0.1
+    num_speculative_tokens: int = 4  # the held-out evaluation's draft length
+    seed: int = 42
+    logging_steps: int = 10
+    save_steps: int = 0  # 0: save only at the end
+    save_total_limit: int | None = None
+    resume_from_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler_type not in SCHEDULES:
+            raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(SCHEDULES)}")
+        if self.prompts not in PROMPT_SOURCES and not Path(self.prompts).expanduser().is_file():
+            raise ValueError(f"prompts {self.prompts!r} is neither one of {list(PROMPT_SOURCES)} nor a file")
+        for name in ("num_prompts", "max_new_tokens", "generation_batch_size", "buffer_tokens",
+                     "max_steps", "per_device_train_batch_size", "max_batch_tokens", "logging_steps",
+                     "num_speculative_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_prompts", "warmup_steps", "save_steps", "temperature", "feature_noise",
+                     "learning_rate", "weight_decay", "reg_loss_weight", "ce_loss_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.ce_vocab not in CE_VOCABS:
+            raise ValueError(f"ce_vocab {self.ce_vocab!r} is not one of {list(CE_VOCABS)}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """transformers' rule: warmup_steps if set, else ceil(warmup_ratio * max_steps)."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The run's complete checkpoint-{step} directories, oldest first."""
+    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def save_checkpoint(out: Path, step: int, drafter: EagleDrafter, optimizer, scheduler,
+                    state: dict[str, Any]) -> Path:
+    """checkpoint-{step}/: the drafter in the EAGLE layout, optimizer, scheduler and
+    trainer_state.json, written atomically."""
+    from reclaim.models.loading import atomic_dir
+
+    def write(tmp: Path) -> None:
+        save_drafter(drafter, tmp)  # first, while tmp is still empty (save_drafter replaces it)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    return atomic_dir(out / f"{CHECKPOINT_PREFIX}{step}", write)
+
+
+def _place_final(drafter: EagleDrafter, out: Path) -> None:
+    """The final drafter's config.json and weights in output_dir itself (beside the logs), the
+    config last so a directory with one holds complete weights."""
+    staged = save_drafter(drafter, out / ".final-drafter")
+    for name in sorted(os.listdir(staged), key=lambda n: n == "config.json"):
+        os.replace(staged / name, out / name)
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+def _trim_log(path: Path, step: int) -> None:
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _rollouts(cfg: DrafterTrainConfig, target: torch.nn.Module, tokenizer: Any, out: Path,
+              log: Callable[[str], None]) -> tuple[list[DrafterSample], list[DrafterSample]]:
+    """Samples of the target answering the training prompts (at cfg.temperature) and the
+    held-out ones (greedy, for the acceptance replay), hidden states recorded as the engine runs;
+    saved to output_dir/rollouts.pt and read back from there on resume."""
+    from reclaim.data.tasks import make_prompts
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+    from reclaim.models.tokenizer import encode_chat
+
+    path = out / "rollouts.pt"
+    if cfg.resume_from_checkpoint and path.exists():
+        saved = torch.load(path)
+        return ([DrafterSample(**d) for d in saved["train"]], [DrafterSample(**d) for d in saved["eval"]])
+    if tokenizer is None:
+        raise ValueError(f"the target {cfg.model!r} has no tokenizer files; the prompts need its chat template")
+    texts = make_prompts(cfg.prompts, cfg.num_prompts + cfg.eval_prompts, cfg.seed)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in texts]
+    recorder = HiddenRecorder()
+    longest = max(len(p) for p in prompts) + cfg.max_new_tokens
+    engine = Engine(target, tokenizer, max_num_seqs=cfg.generation_batch_size, on_forward=recorder,
+                    max_model_len=min(longest, target.config.max_position_embeddings), seed=cfg.seed)
+    params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed + i)
+              for i in range(cfg.num_prompts)]
+    params += [SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)] * cfg.eval_prompts
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    n = sum(len(o.token_ids) for o in outs)
+    log(f"target answered {len(outs)} prompts: {n} tokens in {time.perf_counter() - t0:.1f} s")
+    train_s, eval_s = [], []
+    for i, o in enumerate(outs):
+        if len(o.token_ids) < 2:  # a one-token answer leaves no response position to learn
+            recorder.drop(o.request_id)
+            continue
+        (train_s if i < cfg.num_prompts else eval_s).append(
+            recorder.sample(o.request_id, o.prompt_token_ids, o.token_ids))
+    torch.save({"train": [dataclasses.asdict(x) for x in train_s],
+                "eval": [dataclasses.asdict(x) for x in eval_s]}, path)
+    return train_s, eval_s
+
+
+def train(cfg: DrafterTrainConfig, *, progress: bool = True,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run `reclaim drafter train` per cfg; returns a summary (steps, last record, held-out tau,
+    seconds). The final drafter is in cfg.output_dir (config.json + model.safetensors)."""
+    from tqdm import tqdm
+
+    from reclaim.models.loading import load_model
+
+    t_start = time.perf_counter()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    target, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    target.requires_grad_(False)
+    train_samples, held_out = _rollouts(cfg, target, tokenizer, out, log)
+    buffer = DrafterBuffer(cfg.buffer_tokens)
+    buffer.add(train_samples)
+
+    step, history = 0, []
+    log_path = out / "log.jsonl"
+    last = None
+    if cfg.resume_from_checkpoint:
+        found = checkpoints(out)
+        if not found:
+            raise ValueError(f"resume_from_checkpoint is set but {str(out)!r} has no "
+                             f"{CHECKPOINT_PREFIX}* directory")
+        last = found[-1]
+        state = json.loads((last / "trainer_state.json").read_text())
+        step, history = state["global_step"], state["log_history"]
+        drafter = load_drafter(last, target)
+        _trim_log(log_path, step)
+    else:
+        torch.manual_seed(cfg.seed)
+        drafter = new_drafter(target)
+        if log_path.exists():
+            log_path.unlink()  # a fresh run starts a fresh log
+    opt = make_optimizer(drafter, cfg.learning_rate, weight_decay=cfg.weight_decay,
+                         betas=(cfg.adam_beta1, cfg.adam_beta2))
+    sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps,
+                         total_steps=cfg.max_steps)
+    if last is not None:
+        opt.load_state_dict(torch.load(last / "optimizer.pt"))
+        sched.load_state_dict(torch.load(last / "scheduler.pt"))
+    config_dict = dataclasses.asdict(cfg)
+    (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="drafter train")
+    window: list[dict[str, Any]] = []
+
+    def on_step(rec: dict[str, Any]) -> None:
+        window.append(rec)
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['accuracy']:.2f}")
+        s = rec["step"]
+        if s % cfg.logging_steps == 0 or s == cfg.max_steps:
+            keys = ("loss", "reg_loss", "ce_loss", "accuracy", "grad_norm", "step_s")
+            avg = {k: sum(r[k] for r in window) / len(window) for k in keys}
+            entry = {"step": s, **avg, "learning_rate": rec["learning_rate"],
+                     "tokens": sum(r["tokens"] for r in window)}
+            history.append(entry)
+            with open(log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+            window.clear()
+        if (cfg.save_steps and s % cfg.save_steps == 0) or s == cfg.max_steps:
+            state = {"global_step": s, "max_steps": cfg.max_steps, "log_history": history,
+                     "config": config_dict}
+            save_checkpoint(out, s, drafter, opt, sched, state)
+            if cfg.save_total_limit:
+                for old in checkpoints(out)[:-cfg.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    t_train = time.perf_counter()
+    train_drafter(drafter, target, buffer, steps=cfg.max_steps - step, optimizer=opt, scheduler=sched,
+                  batch_size=cfg.per_device_train_batch_size, batch_tokens=cfg.max_batch_tokens,
+                  feature_noise=cfg.feature_noise, reg_weight=cfg.reg_loss_weight,
+                  ce_weight=cfg.ce_loss_weight, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
+                  ce_vocab=buffer.vocab() if cfg.ce_vocab == "buffer" else None,
+                  start_step=step, on_step=on_step)
+    bar.close()
+    train_s = time.perf_counter() - t_train
+    _place_final(drafter, out)
+    summary: dict[str, Any] = {"steps": cfg.max_steps, "train_s": train_s,
+                               "last": history[-1] if history else None,
+                               "train_sequences": len(buffer), "train_tokens": buffer.num_tokens}
+    if held_out:
+        summary["eval"] = {"prompts": len(held_out), "num_speculative_tokens": cfg.num_speculative_tokens,
+                           **greedy_acceptance(drafter, target, held_out, cfg.num_speculative_tokens)}
+    summary["total_s"] = time.perf_counter() - t_start
+    (out / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# ---- the bundled model's drafter ---------------------------------------------------------------
+
+DEFAULT_DRAFTER_CONFIG = "drafter-smollm2"
+TRAIN_INFO = "train_info.json"
+
+
+def default_drafter_dir(log: Callable[[str], None] = print, progress: bool = True) -> Path:
+    """The bundled model's EAGLE drafter, `$RECLAIM_CACHE/drafters/<model>`: trained on first use
+    with the bundled drafter-smollm2 config (its train_info.json says how long that took and the
+    held-out tau), found there afterwards."""
+    import tempfile
+
+    from reclaim.config import load_config
+    from reclaim.models.loading import build_once, default_model_dir
+
+    model_dir = default_model_dir()
+    where = cache_root() / "drafters" / model_dir.name
+
+    def build(out: Path) -> None:
+        log(f"training an EAGLE drafter for {model_dir.name} on first use ({DEFAULT_DRAFTER_CONFIG}); "
+            f"it is cached in {where}")
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            cfg = load_config(DrafterTrainConfig, DEFAULT_DRAFTER_CONFIG,
+                              {"model": str(model_dir), "output_dir": tmp, "save_steps": 0})
+            summary = train(cfg, progress=progress, log=log)
+            for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+                if name in ("config.json", "model.safetensors", "log.jsonl"):
+                    shutil.copy2(Path(tmp) / name, out / name)
+        (out / TRAIN_INFO).write_text(json.dumps({**summary, "config": DEFAULT_DRAFTER_CONFIG}, indent=2) + "\n")
+        ev = summary.get("eval", {})
+        log(f"drafter trained in {summary['total_s']:.0f} s (held-out greedy tau {ev.get('tau', float('nan')):.2f})")
+
+    return build_once(where, build)

@@ -1,0 +1,194 @@
+"""Drafter training: the loss goes down, the target stays frozen, the buffer keeps the newest,
+the engine's hidden states are the target's, a resumed run equals an uninterrupted one, the CLI
+runs end to end, and (slow) a trained drafter gets tau > 2 on held-out prompts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_target
+from typer.testing import CliRunner
+
+from reclaim.config import ConfigError, load_config
+from reclaim.engine.engine import Engine
+from reclaim.engine.request import SamplingParams
+from reclaim.models.drafter import load_drafter, new_drafter
+from reclaim.rl.drafter_trainer import (
+    DrafterBuffer, DrafterSample, DrafterTrainConfig, HiddenRecorder, checkpoints, collect,
+    greedy_acceptance, train, train_drafter,
+)
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture
+def target():
+    return tiny_target(64)
+
+
+def rollouts(model, n: int, seed: int = 1, prompt_len: int = 6, response_len: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, model.config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    return prompts, [greedy(model, p, response_len) for p in prompts]
+
+
+def sample(t: int, h: int = 4) -> DrafterSample:
+    mask = torch.zeros(t, dtype=torch.bool)
+    mask[t // 2:] = True
+    return DrafterSample(torch.arange(t), torch.randn(t, h), mask)
+
+
+def test_loss_decreases_and_the_target_gets_no_gradient(target, one_thread):
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    buf = DrafterBuffer(100_000)
+    buf.add(collect(target, *rollouts(target, 16)))
+    drafter = new_drafter(target)
+    recs = train_drafter(drafter, target, buf, steps=40, lr=3e-3, batch_size=4, seed=0)
+    first = sum(r["loss"] for r in recs[:5]) / 5
+    last = sum(r["loss"] for r in recs[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert recs[-1]["accuracy"] > recs[0]["accuracy"]
+    assert all(p.grad is None for p in target.parameters())  # requires_grad is still True here
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+def test_an_optimizer_over_target_weights_is_refused(target):
+    buf = DrafterBuffer(1000)
+    buf.add(collect(target, *rollouts(target, 2)))
+    drafter = new_drafter(target)
+    opt = torch.optim.AdamW(list(drafter.parameters()) + list(target.lm_head.parameters()))
+    with pytest.raises(ValueError, match="not the drafter's"):
+        train_drafter(drafter, target, buf, steps=1, optimizer=opt)
+
+
+def test_buffer_keeps_the_newest_within_its_token_budget():
+    buf = DrafterBuffer(max_tokens=25)
+    assert buf.add([sample(10), sample(10)]) == 0
+    newest = sample(8)
+    assert buf.add([newest]) == 1  # 28 > 25: the oldest goes
+    assert len(buf) == 2 and buf.num_tokens == 18 and buf[-1] is newest
+    assert buf.add([sample(12)]) == 1 and buf.num_tokens == 20
+    with pytest.raises(ValueError, match="exceeds the buffer's budget of 25"):
+        buf.add([sample(26)])
+    with pytest.raises(ValueError, match="response token"):
+        DrafterSample(torch.arange(4), torch.zeros(4, 2), torch.tensor([True, False, False, False]))
+
+
+def test_batches_respect_sizes_and_depend_only_on_seed_and_step():
+    buf = DrafterBuffer(10_000)
+    buf.add([sample(t) for t in (5, 9, 12, 20, 7, 30)])
+    for step in range(5):
+        b = buf.batch(step, seed=3, batch_size=3, batch_tokens=40)
+        assert 1 <= len(b) <= 3 and (len(b) == 1 or max(s.num_tokens for s in b) * len(b) <= 40)
+        assert [id(s) for s in b] == [id(s) for s in buf.batch(step, 3, 3, 40)]
+
+
+def test_engine_hidden_states_are_the_targets_forward(target, one_thread):
+    prompts, _ = rollouts(target, 3)
+    rec = HiddenRecorder()
+    engine = Engine(target, None, max_num_seqs=2, max_model_len=64, on_forward=rec, block_size=4)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    got = [rec.sample(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs]
+    want = collect(target, prompts, [o.token_ids[:-1] for o in outs])
+    for a, b in zip(got, want):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        torch.testing.assert_close(a.hidden, b.hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_acceptance_counts_tokens_per_verify(target):
+    samples = collect(target, *rollouts(target, 3, response_len=12))
+    drafter = new_drafter(target)
+    r = greedy_acceptance(drafter, target, samples, 4)
+    # Every response token after the first is committed by exactly one verify (accepted or bonus).
+    assert r["accepted"] + r["verifies"] == sum(int(s.loss_mask.sum()) - 1 for s in samples)
+    assert 1.0 <= r["tau"] <= 5.0
+
+
+# ---- the command: config, checkpoints, resume --------------------------------------------------
+
+TINY_RUN = dict(prompts="tasks", num_prompts=6, eval_prompts=2, max_new_tokens=8, generation_batch_size=8,
+                max_steps=6, per_device_train_batch_size=2, learning_rate=3e-3, warmup_steps=2,
+                logging_steps=1, save_steps=3, seed=5)
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, one_thread):
+    a = tmp_path / "a"
+    cfg = load_config(DrafterTrainConfig, None, {**TINY_RUN, "model": str(tiny_model_dir), "output_dir": str(a)})
+    train(cfg, progress=False, log=lambda s: None)
+    assert [p.name for p in checkpoints(a)] == ["checkpoint-3", "checkpoint-6"]
+    # A crash after checkpoint-3: its later checkpoint and final weights are gone, its log ran on.
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoint-6")
+    (b / "model.safetensors").unlink()
+    resumed = load_config(DrafterTrainConfig, None, {**TINY_RUN, "model": str(tiny_model_dir), "output_dir": str(b),
+                                                     "resume_from_checkpoint": True})
+    train(resumed, progress=False, log=lambda s: None)
+    state = json.loads((b / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    assert [json.loads(ln)["step"] for ln in (b / "log.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    target, _ = _load(tiny_model_dir)
+    da, db = load_drafter(a, target), load_drafter(b, target)
+    for (k, va), vb in zip(da.state_dict().items(), db.state_dict().values()):
+        torch.testing.assert_close(va, vb, atol=1e-6, rtol=1e-5, msg=k)
+    assert (b / "log.jsonl").read_text() != ""
+    la = [json.loads(ln)["loss"] for ln in (a / "log.jsonl").read_text().splitlines()]
+    lb = [json.loads(ln)["loss"] for ln in (b / "log.jsonl").read_text().splitlines()]
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+def _load(path):
+    from reclaim.models.loading import load_model
+
+    return load_model(path)
+
+
+def test_cli_trains_checkpoints_and_resumes(tiny_model_dir, tmp_path, one_thread):
+    from reclaim.cli import app
+
+    cfg_file = tmp_path / "tiny.yaml"
+    out = tmp_path / "run"
+    cfg_file.write_text("".join(f"{k}: {v}\n" for k, v in {**TINY_RUN, "max_steps": 4, "save_steps": 2}.items()))
+    base = ["drafter", "train", "--config", str(cfg_file), "--model", str(tiny_model_dir), "--output_dir", str(out)]
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 0, r.output
+    assert "held-out greedy tau" in r.output and "target answered 8 prompts" in r.output
+    assert {"config.json", "model.safetensors", "log.jsonl", "eval.json", "rollouts.pt", "train_config.json",
+            "checkpoint-2", "checkpoint-4"} <= {p.name for p in out.iterdir()}
+    ck = out / "checkpoint-4"
+    assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= {
+        p.name for p in ck.iterdir()}
+    rec = json.loads((out / "log.jsonl").read_text().splitlines()[-1])
+    assert {"loss", "reg_loss", "ce_loss", "accuracy", "learning_rate"} <= set(rec)
+    r = CliRunner().invoke(app, base + ["--resume", "--max_steps", "6"])
+    assert r.exit_code == 0, r.output
+    assert "target answered" not in r.output  # the rollouts are read back, not generated again
+    assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
+    assert [json.loads(ln)["step"] for ln in (out / "log.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    target, _ = _load(tiny_model_dir)
+    load_drafter(out, target)
+
+
+def test_a_bad_config_field_is_named(tmp_path):
+    from reclaim.cli import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rat: 1e-3\n")
+    with pytest.raises(ConfigError, match="'learning_rat': did you mean 'learning_rate'"):
+        load_config(DrafterTrainConfig, bad)
+    r = CliRunner().invoke(app, ["drafter", "train", "--config", str(bad)])
+    assert r.exit_code == 2 and "learning_rat" in r.output
+    with pytest.raises(ConfigError, match="prompts 'nope'"):
+        load_config(DrafterTrainConfig, None, {"prompts": "nope"})
+    with pytest.raises(ConfigError, match="ce_vocab"):
+        load_config(DrafterTrainConfig, None, ["--ce_vocab", "some"])
+    assert load_config(DrafterTrainConfig, "drafter-smollm2").max_steps >= 1  # the bundled config loads
