@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from reclaim.engine.request import SamplingParams
-from reclaim.models.tokenizer import encode_chat
+from reclaim.models.tokenizer import encode_chat, render_chat
 from reclaim.server.errors import APIError
 from reclaim.server.schemas import INT64, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -174,10 +174,16 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
                        code="context_length_exceeded")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
-    _surely_too_long("\n".join(m["content"] for m in messages), tokenizer, limits, "messages")
     try:
+        if sum(len(m["content"]) for m in messages) > limits.max_model_len:
+            # Judge the rendered prompt, not the contents: a template may drop text (Qwen3's
+            # drops the reasoning of earlier turns).
+            text = render_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt)
+            _surely_too_long(text, tokenizer, limits, "messages")
         ids = encode_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
                           split_special_tokens=limits.split_special_tokens)
+    except APIError:
+        raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
         raise APIError(400, f"the chat template rejected these messages: {exc}",
                        param="messages") from exc

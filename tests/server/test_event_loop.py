@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from live_server import start_server
+from reclaim.models.tokenizer import encode_chat
 from reclaim.server.errors import APIError
-from reclaim.server.plan import Limits, plan_completion
-from reclaim.server.schemas import CompletionRequest
+from reclaim.server.plan import Limits, plan_chat, plan_completion
+from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest
 
 BIG = int(3.9 * (1 << 20))  # 3.9 MiB, under the default 4 MiB body limit
 HEALTH_BOUND_S = 0.5
@@ -82,11 +83,16 @@ def test_prefix_check_agrees_with_tokenizing_everything(big_server, unit):
     limits = Limits(model_names=("m",), max_model_len=64, vocab_size=len(tok), max_token_chars=1)
     for repeat in range(1, 300, 11):
         text = unit * repeat
-        fits = len(tok.encode(text)) < limits.max_model_len
-        try:
-            plan_completion(CompletionRequest(prompt=text, max_tokens=1), tok, limits)
-            planned = True
-        except APIError as exc:
-            assert exc.code == "context_length_exceeded", exc.message
-            planned = False
-        assert planned == fits, (unit, repeat)
+        chat = [{"role": "system", "content": text[: len(text) // 3]},
+                {"role": "user", "content": text}]
+        for req, planner, prompt_len in (
+                (CompletionRequest(prompt=text, max_tokens=1), plan_completion, len(tok.encode(text))),
+                (ChatCompletionRequest(messages=chat, max_tokens=1), plan_chat,
+                 len(encode_chat(tok, chat)))):
+            try:
+                planner(req, tok, limits)
+                planned = True
+            except APIError as exc:
+                assert exc.code == "context_length_exceeded", exc.message
+                planned = False
+            assert planned == (prompt_len < limits.max_model_len), (planner.__name__, unit, repeat)
