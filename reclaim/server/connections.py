@@ -128,7 +128,7 @@ def guarded_protocol(limits: ConnectionLimits,
             count(f"{phase}_timeout")
             log.debug("closing %s: no complete request %s within %.1f s", self.client, phase,
                       timeout)
-            if phase == "header":
+            if phase == "header" and self.conn.trailing_data[0]:  # a request was begun
                 self._answer(APIError(408, f"the request headers did not arrive within "
                                            f"{timeout:g} s"), b"Request Timeout")
             self.transport.close()

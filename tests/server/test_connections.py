@@ -213,3 +213,17 @@ def test_malformed_request_flood_logs_one_line(server, uvicorn_log):
             assert reply.startswith(b"HTTP/1.1 400") and b'"error"' in reply
     warnings = [r for r in uvicorn_log.records if "Invalid HTTP request" in r.getMessage()]
     assert len(warnings) <= 1, len(warnings)  # one per 10 s (none if one went out just before)
+
+
+def test_idle_connection_closes_silently_a_partial_request_gets_408():
+    live = start_server(connections=ConnectionLimits(header_timeout=0.5, keep_alive=30))
+    try:
+        with socket.create_connection(("127.0.0.1", live.port), timeout=10) as idle, \
+                socket.create_connection(("127.0.0.1", live.port), timeout=10) as partial:
+            partial.sendall(PARTIAL)
+            assert idle.recv(65536) == b""  # nothing a pooled client could mistake for a reply
+            reply = partial.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 408")
+            assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    finally:
+        live.stop()
