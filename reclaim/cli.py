@@ -165,13 +165,21 @@ def chat(
 def demo(
     max_tokens: int = typer.Option(64, help="Most tokens per answer."),
     ssm_steps: int = typer.Option(5, help="Adjoint training steps of the SSM part (0 skips it)."),
+    speculative: str = typer.Option("eagle", "--speculative", help="The speculative part: eagle (the default "
+                                    "drafter, trained and cached on first use), ngram, eagle:PATH or none."),
 ) -> None:
-    """The main job on the default model: batched generation, then a few exact-adjoint SSM steps."""
+    """The main job on the default model: batched generation, speculative decoding next to plain,
+    then a few exact-adjoint SSM steps."""
     from reclaim.engine.quickstart import demo as run_demo
+    from reclaim.engine.quickstart import speculative_demo
     from reclaim.models.loading import load_model
 
+    model, tok = load_model(None)
     typer.echo("== inference engine: a batch of chat prompts on the default model ==")
-    run_demo(*load_model(None), max_tokens=max_tokens)
+    run_demo(model, tok, max_tokens=max_tokens)
+    if speculative != "none":
+        typer.echo("\n== speculative decoding: the same prompt plain and speculative (lossless) ==")
+        speculative_demo(model, tok, _speculative(speculative, None))
     if ssm_steps > 0:
         from reclaim.ssm.train import demo_ssm
 

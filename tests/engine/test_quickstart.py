@@ -34,3 +34,14 @@ def test_generate_command_prints_the_engine_output(smol, default_model_dir):
     want = Engine(model, tok, max_model_len=512, max_num_seqs=4).generate(
         [encode_chat(tok, [{"role": "user", "content": "What is 2+2?"}])], GREEDY)[0].text
     assert want and res.stdout.endswith(want + "\n")
+
+
+def test_speculative_demo_prints_the_plain_text_and_its_speed(smol):
+    from reclaim.engine.quickstart import speculative_demo
+    from reclaim.engine.speculative import SpeculativeConfig
+
+    model, tok, _ = smol
+    out = io.StringIO()
+    got = speculative_demo(model, tok, SpeculativeConfig(method="ngram"), max_tokens=12, out=out)
+    assert got["identical"] == 1.0 and "same text as plain: True" in out.getvalue()
+    assert "tokens per target forward" in out.getvalue() and got["tau"] >= 1
