@@ -221,6 +221,11 @@ def serve(
     split_special_tokens: bool = typer.Option(False, "--split-special-tokens",
                                               help="Encode special-token text in chat messages (e.g. "
                                                    "'<|im_start|>') as plain text; off by default, as vLLM."),
+    speculative: str = SPEC_OPT,
+    num_speculative_tokens: int = SPEC_TOKENS_OPT,
+    spec_max_batch: int = SPEC_BATCH_OPT,
+    eagle_topk: int = SPEC_TOPK_OPT,
+    num_draft_tokens: int = SPEC_TREE_OPT,
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)."""
@@ -232,6 +237,8 @@ def serve(
         raise typer.BadParameter(f"the model is given twice, as {model!r} and --model {model_opt!r}; "
                                  "give it once")
     model = model or model_opt
+    spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, max_batch=spec_max_batch,
+                        eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens)
     _, _, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=max_num_seqs, device=device,
                           max_model_len=lambda cfg: max_model_len or cfg.max_position_embeddings,
                           block_size=block_size, num_blocks=num_blocks)
@@ -239,7 +246,7 @@ def serve(
         args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           num_blocks=num_blocks, block_size=block_size, device=device,
                           max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
-                          kv_cache_bytes=kv_bytes)
+                          kv_cache_bytes=kv_bytes, speculative=spec)
         connections = ConnectionLimits(max_connections=limit_concurrency, header_timeout=header_timeout,
                                        body_timeout=body_timeout, keep_alive=timeout_keep_alive)
     except ValueError as e:

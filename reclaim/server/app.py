@@ -290,6 +290,12 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
         metrics.kv_total.set(s.get("kv_blocks_total", 0))
         metrics.weights_version.set(runner.engine.weights_version)
         metrics.preemptions.set_total(s.get("num_preemptions", 0))
+        verifies, drafted, accepted = (s.get(f"spec_{k}", 0) for k in ("verifies", "drafted", "accepted"))
+        metrics.spec_verifies.set_total(verifies)
+        metrics.spec_drafted.set_total(drafted)
+        metrics.spec_accepted.set_total(accepted)
+        metrics.spec_accept_rate.set(accepted / drafted if drafted else 0.0)
+        metrics.spec_tau.set((accepted + verifies) / verifies if verifies else 0.0)
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -116,6 +116,14 @@ class ServerMetrics:
         self.kv_used = Gauge("reclaim_kv_cache_blocks_used", "KV-cache blocks in use.")
         self.kv_total = Gauge("reclaim_kv_cache_blocks_total", "KV-cache blocks in the pool.")
         self.weights_version = Gauge("reclaim_weights_version", "Version of the served weights.")
+        self.spec_verifies = Counter("reclaim_spec_decode_num_verifies_total",
+                                     "Speculative verifications (one per sequence per verifying forward).")
+        self.spec_drafted = Counter("reclaim_spec_decode_num_draft_tokens_total", "Draft tokens proposed.")
+        self.spec_accepted = Counter("reclaim_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self.spec_accept_rate = Gauge("reclaim_spec_decode_acceptance_rate",
+                                      "Accepted / proposed draft tokens so far.")
+        self.spec_tau = Gauge("reclaim_spec_decode_mean_accepted_length",
+                              "Tokens committed per verification, the bonus token included (EAGLE's tau).")
 
     def render(self) -> str:
         lines = []

@@ -42,6 +42,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048  # tokens per engine step; bounds a prefill chunk
     dtype: str = "float32"  # weights and KV cache: float32, bfloat16 or float16
     kv_cache_bytes: int | None = None  # KV cache budget; None: the engine's default
+    speculative: Any = None  # a SpeculativeConfig, or None for plain decoding
 
 
 def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_args: EngineArgs,
@@ -56,7 +57,8 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_a
                     block_size=engine_args.block_size, max_num_seqs=engine_args.max_num_seqs,
                     max_model_len=engine_args.max_model_len, device=engine_args.device,
                     max_num_batched_tokens=engine_args.max_num_batched_tokens,
-                    kv_cache_bytes=engine_args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
+                    kv_cache_bytes=engine_args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+                    speculative=engine_args.speculative)
     runner = EngineRunner(engine, ServerMetrics())
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
                     vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes,

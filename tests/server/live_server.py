@@ -101,12 +101,12 @@ class LiveServer(BackgroundServer):
 
 def start_server(api_key: str | None = None, max_num_seqs: int = 16, num_blocks: int = 256,
                  max_model_len: int = 256, max_body_bytes: int = 64 << 10,
-                 connections: ConnectionLimits | None = None, **app_options) -> LiveServer:
+                 connections: ConnectionLimits | None = None, speculative=None, **app_options) -> LiveServer:
     """A live server; `app_options` go to build_app (split_special_tokens, allowed_origins)."""
     tokenizer = make_tokenizer()
     model = make_model(tokenizer, max_position_embeddings=max_model_len)
     args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      num_blocks=num_blocks, block_size=16)
+                      num_blocks=num_blocks, block_size=16, speculative=speculative)
     app, runner, state = build_app(model, tokenizer, (MODEL_NAME,), args, api_key=api_key,
                                    max_n=4, max_body_bytes=max_body_bytes, **app_options)
     live = LiveServer(app, runner, state, connections)

@@ -71,3 +71,12 @@ def test_max_num_batched_tokens_reaches_the_scheduler():
     _, runner, _ = build_app(make_model(tokenizer), tokenizer, (MODEL_NAME,),
                              EngineArgs(num_blocks=32, max_num_batched_tokens=64))
     assert runner.engine.scheduler.max_num_batched_tokens == 64
+
+
+def test_speculative_flags_reach_the_engine(captured):
+    assert captured()["engine_args"].speculative is None
+    spec = captured("--speculative", "ngram", "--num-speculative-tokens", "3", "--spec-max-batch", "2")[
+        "engine_args"].speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.max_batch) == ("ngram", 3, 2)
+    bad = CliRunner().invoke(app, ["serve", "--speculative", "medusa"])
+    assert bad.exit_code == 2 and "medusa" in bad.output
