@@ -75,8 +75,8 @@ def output(state: RequestState, new_ids: list[int], new_lps: list[TokenLogprob] 
            version: int) -> RequestOutput:
     """The output for what this step added; the final one also carries the whole history."""
     done = state.finish_reason is not None
-    if done:
-        state.detok.flush()
+    if done and state.finish_reason not in ("abort", "error"):
+        state.detok.flush()  # an aborted tail is cut, not shown as a half character
     offset = state.detok.emitted
     delta = state.detok.delta(final=done)
     seq = state.seq
