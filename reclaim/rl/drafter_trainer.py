@@ -208,14 +208,19 @@ def _pad(batch: Sequence[DrafterSample], device: torch.device, dtype: torch.dtyp
 
 def drafter_loss(drafter: EagleDrafter, target: torch.nn.Module, batch: Sequence[DrafterSample], *,
                  feature_noise: float = 0.1, reg_weight: float = 1.0, ce_weight: float = 0.1,
-                 ce_vocab: torch.Tensor | None = None,
+                 ce_vocab: torch.Tensor | None = None, unroll_steps: int = 1,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The EAGLE loss on a batch (see the module docstring) and its parts: reg_loss, ce_loss,
-    accuracy (the drafter's top-1 equals the target's), tokens.
+    accuracy (the drafter's top-1 equals the target's, first pass), tokens.
 
     ce_vocab: token ids the cross-entropy's two distributions are taken over (renormalised), e.g.
     the buffer's tokens (`DrafterBuffer.vocab`); None: the whole vocabulary. A small model's head
-    is most of a step's cost, and greedy rollouts' argmax tokens are all in the buffer."""
+    is most of a step's cost, and greedy rollouts' argmax tokens are all in the buffer.
+    unroll_steps > 1: after the first pass, each further pass feeds the previous pass's
+    predictions g_{i-1} (detached) in place of f_i, as chain drafting does after its first token;
+    the loss is the mean over passes."""
+    if unroll_steps < 1:
+        raise ValueError(f"unroll_steps must be >= 1, got {unroll_steps}")
     p = next(drafter.parameters())
     embed_w, head_w = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
     if ce_vocab is not None:
@@ -232,12 +237,18 @@ def drafter_loss(drafter: EagleDrafter, target: torch.nn.Module, batch: Sequence
         want = hidden[:, 1:][sel]
         target_probs = torch.softmax(F.linear(want, head_w).float(), dim=-1)
     positions = torch.arange(t - 1, device=ids.device).expand(b, -1)
-    g = drafter(embeds, feats, positions)[sel]
-    reg = F.smooth_l1_loss(g.float(), want.float(), reduction="none").mean(-1).mean()
-    logq = torch.log_softmax(F.linear(g, head_w).float(), dim=-1)
-    ce = -(target_probs * logq).sum(-1).mean()
+    reg = ce = torch.zeros((), device=p.device)
+    for u in range(unroll_steps):
+        g_all = drafter(embeds, feats, positions)
+        g = g_all[sel]
+        reg = reg + F.smooth_l1_loss(g.float(), want.float(), reduction="none").mean(-1).mean() / unroll_steps
+        logq = torch.log_softmax(F.linear(g, head_w).float(), dim=-1)
+        ce = ce + -(target_probs * logq).sum(-1).mean() / unroll_steps
+        if u == 0:
+            acc = (logq.argmax(-1) == target_probs.argmax(-1)).float().mean()
+        if u + 1 < unroll_steps:  # g_{i-1} stands in for f_i; position 0 keeps the true f_0
+            feats = torch.cat([feats[:, :1], g_all[:, :-1].detach()], dim=1)
     loss = reg_weight * reg + ce_weight * ce
-    acc = (logq.argmax(-1) == target_probs.argmax(-1)).float().mean()
     return loss, {"reg_loss": reg.item(), "ce_loss": ce.item(), "accuracy": acc.item(),
                   "tokens": int(sel.sum())}
 
@@ -252,7 +263,8 @@ def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: Drafte
                   steps: int, optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-4,
                   scheduler: Any = None, batch_size: int = 8, batch_tokens: int = 4096,
                   feature_noise: float = 0.1, reg_weight: float = 1.0, ce_weight: float = 0.1,
-                  ce_vocab: torch.Tensor | None = None, max_grad_norm: float = 0.5, seed: int = 0,
+                  ce_vocab: torch.Tensor | None = None, unroll_steps: int = 1,
+                  max_grad_norm: float = 0.5, seed: int = 0,
                   start_step: int = 0,
                   on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Run `steps` optimizer steps (numbered from `start_step`) of the drafter on the buffer; the
@@ -277,7 +289,7 @@ def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: Drafte
             optimizer.zero_grad(set_to_none=True)
             loss, parts = drafter_loss(drafter, target, batch, feature_noise=feature_noise,
                                        reg_weight=reg_weight, ce_weight=ce_weight, ce_vocab=ce_vocab,
-                                       generator=noise)
+                                       unroll_steps=unroll_steps, generator=noise)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), max_grad_norm)
             lr_now = optimizer.param_groups[0]["lr"]
@@ -381,6 +393,7 @@ class DrafterTrainConfig:
     warmup_ratio: float = 0.0
     lr_scheduler_type: str = "cosine"
     feature_noise: float = 0.1
+    unroll_steps: int = 2  # passes feeding the drafter's own predictions (chain drafting's later tokens)
     ce_vocab: str = "buffer"  # full | buffer: the cross-entropy over the buffer's tokens (cheaper)
     reg_loss_weight: float = 1.0
     ce_loss_weight: float = 0.1
@@ -398,7 +411,7 @@ class DrafterTrainConfig:
             raise ValueError(f"prompts {self.prompts!r} is neither one of {list(PROMPT_SOURCES)} nor a file")
         for name in ("num_prompts", "max_new_tokens", "generation_batch_size", "buffer_tokens",
                      "max_steps", "per_device_train_batch_size", "max_batch_tokens", "logging_steps",
-                     "num_speculative_tokens"):
+                     "num_speculative_tokens", "unroll_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_prompts", "warmup_steps", "save_steps", "temperature", "feature_noise",
@@ -571,6 +584,7 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
                   feature_noise=cfg.feature_noise, reg_weight=cfg.reg_loss_weight,
                   ce_weight=cfg.ce_loss_weight, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
                   ce_vocab=buffer.vocab() if cfg.ce_vocab == "buffer" else None,
+                  unroll_steps=cfg.unroll_steps,
                   start_step=step, on_step=on_step)
     bar.close()
     train_s = time.perf_counter() - t_train
