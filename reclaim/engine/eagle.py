@@ -95,6 +95,19 @@ class EagleProposer:
     def release(self, seq_id: str) -> None:
         self._states.pop(seq_id, None)
 
+    def share(self, src: str, dst: str, num_tokens: int) -> None:
+        """`dst` starts with `src`'s first num_tokens tokens (a shared prompt prefix): take src's
+        drafter state up to there (tensors are never modified in place, so sharing them is safe)."""
+        st = self._states.get(src)
+        if st is None:
+            return
+        n = min(st.length, num_tokens)
+        new = _State(length=n, feats=list(st.feats[: max(0, num_tokens - st.length)]) if st.length <= num_tokens else [])
+        for layer in st.cache.keys:
+            new.cache.keys[layer] = st.cache.keys[layer][:, :, :n]
+            new.cache.values[layer] = st.cache.values[layer][:, :, :n]
+        self._states[dst] = new
+
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return [self._propose(r) for r in requests]

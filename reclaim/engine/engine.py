@@ -182,6 +182,7 @@ class Engine:
             "kv_blocks_total": self.blocks.num_blocks,
             "num_preemptions": self.num_preemptions,
             "num_request_errors": self.num_request_errors,
+            "num_shared_prefix_tokens": self.scheduler.num_shared_tokens,
             "weights_version": self.weights_version,
             **{f"spec_{k}": v for k, v in self.spec_stats.items()},
         }
@@ -197,6 +198,9 @@ class Engine:
             sched = self.scheduler.schedule(spec.lookahead if speculate else 0)
             self.last_schedule = sched
             self.num_preemptions += len(sched.preempted)
+            share = getattr(self.drafter, "share", None)
+            for dst, src, n in sched.shared if share is not None else []:
+                share(src, dst, n)
             if not sched.chunks:
                 return outputs
             for rid, tokens, lps in self._execute(sched.chunks):
@@ -406,5 +410,7 @@ class Engine:
                     own[name].copy_(value)
             if self.kv_on_weight_update == "recompute":
                 self.scheduler.recompute_all()
+            else:
+                self.scheduler.forget_prefixes()
             self.weights_version += 1
             return self.weights_version

@@ -16,7 +16,16 @@ from reclaim.models.cache import attention_mask
 
 
 class BlockManager:
-    """Hands out block ids from a free list and keeps each sequence's block table."""
+    """Hands out block ids from a free list and keeps each sequence's block table.
+
+    Prefix sharing: a full block of prompt tokens whose K/V are computed is indexed by a hash of
+    its tokens and of every token before it (`prefix_hashes`); a new sequence with the same
+    prefix takes those blocks into its table (`share`) instead of computing them again, e.g. the
+    n completions of one GRPO prompt. Blocks are reference-counted and return to the free list
+    when the last sequence holding them lets go. Shared blocks are only ever full prompt blocks,
+    which no sharer writes again (each writes from the first position it does not share), so no
+    copy on write is needed; `forget_prefixes` empties the index when the weights change.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -28,6 +37,10 @@ class BlockManager:
         # LIFO: a just-freed block is reused first, while its memory is still warm.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
+        self._refs: dict[int, int] = {}
+        self._cached: dict[int, int] = {}  # prefix hash -> block holding that prefix's last block
+        self._hash_of: dict[int, int] = {}  # block -> its prefix hash
+        self.owner: dict[int, str] = {}  # indexed block -> the sequence that computed it
 
     @property
     def num_free(self) -> int:
@@ -47,14 +60,64 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - len(table)
         if need > len(self._free):
             return False
-        if need > 0:
-            table.extend(self._free.pop() for _ in range(need))
+        for _ in range(max(0, need)):
+            block = self._free.pop()
+            self._refs[block] = 1
+            table.append(block)
         self.tables[seq_id] = table
         return True
 
     def free(self, seq_id: str) -> None:
-        """Return all of `seq_id`'s blocks to the free list (no-op if it holds none)."""
-        self._free.extend(reversed(self.tables.pop(seq_id, [])))
+        """Let go of all of `seq_id`'s blocks (no-op if it holds none); unshared ones are freed."""
+        for block in reversed(self.tables.pop(seq_id, [])):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                del self._refs[block]
+                h = self._hash_of.pop(block, None)
+                self.owner.pop(block, None)
+                if h is not None and self._cached.get(h) == block:
+                    del self._cached[h]
+                self._free.append(block)
+
+    def prefix_hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """Chained hashes of the first `num_blocks` full blocks of `token_ids`."""
+        out, h, bs = [], 0, self.block_size
+        for i in range(num_blocks):
+            h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
+            out.append(h)
+        return out
+
+    def cached_prefix(self, hashes: list[int]) -> list[int]:
+        """Blocks of the longest indexed prefix among `hashes` (in order)."""
+        out = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def share(self, seq_id: str, blocks: list[int]) -> None:
+        """Start `seq_id`'s (empty) table with another sequence's prefix blocks."""
+        if self.tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id!r} already holds blocks; a shared prefix must come first")
+        for block in blocks:
+            self._refs[block] += 1
+        self.tables[seq_id] = list(blocks)
+
+    def index(self, seq_id: str, hashes: list[int]) -> None:
+        """Record that `seq_id`'s first len(hashes) blocks hold computed prefixes with these hashes."""
+        for block, h in zip(self.tables[seq_id], hashes):
+            if h not in self._cached and block not in self._hash_of:
+                self._cached[h] = block
+                self._hash_of[block] = h
+                self.owner[block] = seq_id
+
+    def forget_prefixes(self) -> None:
+        """Drop the index (K/V made with other weights must not be shared into new sequences)."""
+        self._cached.clear()
+        self._hash_of.clear()
+        self.owner.clear()
 
 
 GIB = 1 << 30

@@ -24,6 +24,7 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    prompt_hashes: list[int] | None = None  # of its full prompt blocks (prefix sharing), made once
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +53,8 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk]
     preempted: list[str]
+    # Sequences admitted with another's prompt blocks: (sequence, the one it shares with, tokens).
+    shared: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +89,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
+        self.num_shared_tokens = 0  # prompt tokens not computed thanks to prefix sharing
+        self._computing: list[tuple[Sequence, int]] = []  # prompt blocks full after this step's chunks
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; its prompt must leave room for one generated token."""
@@ -128,9 +133,11 @@ class Scheduler:
         Advances each scheduled sequence's `num_computed`, as the engine will run the chunk (the
         engine moves it back over draft tokens it rejects).
         """
+        self._index_computed()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        shared: list[tuple[str, str, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:  # decodes
             seq = self.running[i]
@@ -160,14 +167,60 @@ class Scheduler:
         # Admitting new work right after preempting would only thrash the cache.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            share = self._shareable(seq, chunks)
+            if share is None:
+                break  # its prefix is being computed by this very step: share it from the next one
+            if share:
+                self.blocks.share(seq.request_id, share)
+                seq.num_computed = len(share) * self.blocks.block_size
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.allocate(seq.request_id, seq.num_computed + n):
+                if share:  # undo: it waits whole
+                    self.blocks.free(seq.request_id)
+                    seq.num_computed = 0
                 break  # wait for blocks; the running sequences will free them
+            if share:
+                self.num_shared_tokens += seq.num_computed
+                shared.append((seq.request_id, self.blocks.owner[share[-1]], seq.num_computed))
             self.waiting.popleft()
             self.running.append(seq)
             chunks.append(self._chunk(seq, n))
             budget -= n
-        return SchedulerOutput(chunks, preempted)
+        return SchedulerOutput(chunks, preempted, shared)
+
+    def _hashes(self, seq: Sequence) -> list[int]:
+        if seq.prompt_hashes is None:
+            seq.prompt_hashes = self.blocks.prefix_hashes(
+                seq.token_ids, seq.num_prompt_tokens // self.blocks.block_size)
+        return seq.prompt_hashes
+
+    def _shareable(self, seq: Sequence, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Computed prompt blocks a new sequence can take from others ([] for none), or None when
+        the next block it needs is being computed in this step (it waits a step and shares it).
+        The last prompt token is always left to compute: its logits give the first token."""
+        if seq.num_computed or self.blocks.tables.get(seq.request_id):
+            return []
+        hashes = self._hashes(seq)[: (seq.num_prompt_tokens - 1) // self.blocks.block_size]
+        found = self.blocks.cached_prefix(hashes)
+        if len(found) < len(hashes):
+            bs = self.blocks.block_size
+            wanted = hashes[len(found)]
+            for c in chunks:
+                other = self._find(c.request_id)
+                if other is not None and c.is_prefill and other.prompt_hashes and wanted in \
+                        other.prompt_hashes[c.start // bs:(c.start + c.num_tokens) // bs]:
+                    return None
+        return found
+
+    def _find(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.running if s.request_id == request_id), None)
+
+    def _index_computed(self) -> None:
+        """Index the full prompt blocks that the last step's chunks computed (they can be shared)."""
+        for seq, n in self._computing:
+            if any(r is seq for r in self.running) and self.blocks.tables.get(seq.request_id):
+                self.blocks.index(seq.request_id, self._hashes(seq)[:n])
+        self._computing = []
 
     def _lookahead(self, seq: Sequence, want: int) -> int:
         """Draft tokens worth verifying after `seq`'s decode, with their blocks allocated."""
@@ -182,10 +235,20 @@ class Scheduler:
         its tokens again, e.g. with new weights."""
         for seq in self.running:
             seq.num_computed = 0
+        self.forget_prefixes()
 
-    @staticmethod
-    def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
+    def forget_prefixes(self) -> None:
+        """No new sequence may share K/V computed so far (the weights changed)."""
+        self.blocks.forget_prefixes()
+        self._computing = []
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         chunk = ScheduledChunk(seq.request_id, seq.num_computed, n, seq.num_computed + n == seq.num_tokens,
                                seq.num_computed < seq.num_prompt_tokens)
         seq.num_computed += n
+        if chunk.is_prefill:
+            full = min(seq.num_computed, seq.num_prompt_tokens) // self.blocks.block_size
+            if full > chunk.start // self.blocks.block_size:
+                self._hashes(seq)
+                self._computing.append((seq, full))
         return chunk

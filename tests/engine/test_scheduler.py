@@ -8,7 +8,8 @@ from reclaim.engine.scheduler import Scheduler, Sequence
 
 
 def _seq(rid, n):
-    return Sequence(rid, list(range(n)), n)
+    """Tokens differ between sequences, so no prompt prefix is shared (test_prefix_sharing does that)."""
+    return Sequence(rid, [sum(map(ord, rid)) * 1000 + i for i in range(n)], n)
 
 
 def _run(sched, seqs, max_new, max_steps=1000):

@@ -160,10 +160,10 @@ def test_first_token_distribution_matches_target(params, rule):
 
 
 def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6) -> bool:
-    """Sample n three-token continuations with and without speculation on a tiny-vocabulary
+    """Sample n four-token continuations with and without speculation on a tiny-vocabulary
     target; two-sample chi-square over the joint of the first two tokens (the second comes from
     a verified draft) at p = 0.001, a threshold fixed here before any run."""
-    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4, ignore_eos=True)
     prompt = [3, 5, 3, 5, 3]
     v = target.config.vocab_size
     plain = _engine(target, max_num_seqs=64, seed=1)
