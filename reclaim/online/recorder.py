@@ -1,0 +1,322 @@
+"""Prompt records, and the two ways to get a sample's training loss: reuse a record or recompute.
+
+A record is the prompt's forward run with autograd and its graph kept: the prompt's K/V per layer
+and the final hidden state at the last prompt position are graph nodes, and everything the
+backward needs is held by the graph (captured through `saved_tensors_hooks`, so it can be measured
+and moved to host memory layer by layer). A training forward over the response alone attends to
+the recorded K/V; its backward flows on into the prompt's graph, so the gradient equals one
+forward over prompt + response (`recompute_loss`, logits on response positions only).
+
+A record is exact only for the weights that made it: an optimizer step changes the parameters in
+place, and autograd then refuses the old graph. The planner (trainer.py) never sends one there.
+
+    rec = record_prompt(model, prompt_ids, response_id="r1", version=0)
+    loss, n = reuse_loss(model, [rec], [response_ids])      # == recompute_loss(model, [prompt_ids], ...)
+    (loss / n).backward()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from reclaim.models.cache import DenseCache
+
+IGNORE = -100  # label of padded positions
+
+
+class SavedTensor:
+    """One tensor autograd saved during a recorded prompt forward, movable to host and back.
+
+    `uses` counts the graph nodes that saved it, so a reloaded copy is dropped after its last use.
+    `log` collects the layers brought back (no link to the record: the graph would hold it in a
+    cycle the garbage collector cannot see through).
+    """
+
+    def __init__(self, tensor: torch.Tensor, layer: int, log: list[int]) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.host: torch.Tensor | None = None
+        self.device = tensor.device
+        self.layer = layer
+        self.shared = False  # saved by several layers (RoPE's cos/sin): not one layer's to log
+        self.uses = 0
+        self.log = log
+
+    def offload(self, host: torch.device) -> None:
+        if self.tensor is not None and self.host is None:
+            # copy=True: on a CPU-only machine "host" is a copy too, so the path is exercised there
+            self.host = self.tensor.detach().to(host, copy=True)
+            self.tensor = None
+
+    def get(self) -> torch.Tensor:
+        self.uses -= 1
+        if self.tensor is not None:
+            t = self.tensor
+        else:
+            if not self.shared:
+                self.log.append(self.layer)
+            t = self.host.to(self.device, copy=True)
+            if self.uses > 0:
+                self.tensor = t  # still needed by another node of this layer's backward
+        if self.uses == 0:
+            self.tensor = self.host = None
+        return t
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+@dataclass
+class PromptRecord:
+    """A prompt's forward kept for training: K/V and last hidden state (graph nodes when exact),
+    the tensors autograd saved (`saved`, in forward order), and the weights version that made it."""
+
+    response_id: str
+    prompt_ids: list[int]
+    version: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    last_hidden: torch.Tensor  # [1, 1, H] final-norm hidden state at the last prompt position
+    last_logits: torch.Tensor  # [V] detached: what the server samples the first token from
+    exact: bool  # recorded with autograd (prefix_grad); False: K/V detached, no graph kept
+    device: torch.device
+    saved: list[SavedTensor] = field(default_factory=list)
+    saved_bytes: int = 0  # activations autograd saved (parameters excluded), distinct storages
+    kv_bytes: int = 0  # the K/V and the last hidden state
+    where: str = "device"  # or "host" after offload()
+    reloads: list[int] = field(default_factory=list)  # layers brought back, in order (shared
+    # tensors left out)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this record holds (saved activations + K/V, shared storages counted once)."""
+        return self.saved_bytes + self.kv_bytes
+
+    def offload(self, host: str | torch.device = "cpu") -> None:
+        """Move everything to host memory, layer by layer in forward order; the backward brings
+        each saved tensor back when its node runs (backward order), K/V when the forward reads them."""
+        host = torch.device(host)
+        for s in self.saved:
+            s.offload(host)
+        # differentiable copies: the gradient flows back through them into the prompt's graph
+        self.keys = [k.to(host, copy=True) for k in self.keys]
+        self.values = [v.to(host, copy=True) for v in self.values]
+        self.last_hidden = self.last_hidden.to(host, copy=True)
+        self.where = "host"
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's prompt K/V ([1, Hkv, P, D]) on the model's device."""
+        k, v = self.keys[layer], self.values[layer]
+        if self.where == "host":
+            k, v = k.to(self.device, copy=True), v.to(self.device, copy=True)
+        return k, v
+
+    def hidden(self) -> torch.Tensor:
+        h = self.last_hidden
+        return h.to(self.device, copy=True) if self.where == "host" else h
+
+    def detached(self) -> "PromptRecord":
+        """The same K/V with gradients stopped at the prompt (a stale or prefix_grad=False use)."""
+        return PromptRecord(self.response_id, self.prompt_ids, self.version,
+                            [k.detach() for k in self.keys], [v.detach() for v in self.values],
+                            self.last_hidden.detach(), self.last_logits, False, self.device,
+                            kv_bytes=self.kv_bytes, where=self.where)
+
+
+def record_prompt(model: torch.nn.Module, prompt_ids: Sequence[int], *, response_id: str,
+                  version: int, prefix_grad: bool = True) -> PromptRecord:
+    """Run the prompt's forward and keep what a later training step needs.
+
+    prefix_grad=True (exact): with autograd, graph kept, every saved tensor captured per layer.
+    prefix_grad=False: under no_grad; only K/V and the last hidden state, so the gradient stops
+    at the prompt (cheaper, not exact).
+    """
+    if len(prompt_ids) == 0:
+        raise ValueError(f"response {response_id!r}: cannot record an empty prompt")
+    device = next(model.parameters()).device
+    if prefix_grad and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("prefix_grad=True needs parameters that require grad; the model has none")
+    ids = torch.tensor([list(prompt_ids)], device=device)
+    cache = DenseCache(model.config.sliding_window)
+    rec = PromptRecord(response_id, list(prompt_ids), version, [], [], torch.empty(0),
+                       torch.empty(0), prefix_grad, device)
+    if prefix_grad:
+        with torch.enable_grad(), _capture(model, rec):
+            out = model(ids, cache=cache, return_hidden=True, compute_logits=False)
+    else:
+        with torch.no_grad():
+            out = model(ids, cache=cache, return_hidden=True, compute_logits=False)
+    # clone: a slice would keep the whole [1, P, H] hidden state alive
+    rec.last_hidden = out.hidden[:, -1:].clone()
+    with torch.no_grad():
+        rec.last_logits = model.lm_head(rec.last_hidden).float()[0, 0]
+    layers = len(cache.keys)
+    rec.keys = [cache.keys[i] for i in range(layers)]
+    rec.values = [cache.values[i] for i in range(layers)]
+    kv = rec.keys + rec.values + [rec.last_hidden]
+    rec.kv_bytes = unique_bytes(kv)
+    held = [s.tensor for s in rec.saved]
+    rec.saved_bytes = unique_bytes(held + kv) - rec.kv_bytes
+    return rec
+
+
+class _capture:
+    """saved_tensors_hooks that wrap every saved activation in a SavedTensor tagged with its layer
+    (parameters and buffers stay as they are: they are not the record's bytes)."""
+
+    def __init__(self, model: torch.nn.Module, rec: PromptRecord) -> None:
+        self.model, self.rec = model, rec
+        self.own = {_storage_key(p) for p in model.parameters()} | {
+            _storage_key(b) for b in model.buffers()}
+        self.layer = -1  # -1: embedding; len(layers): final norm
+        self.seen: dict[tuple, SavedTensor] = {}
+
+    def _at(self, i: int):
+        def hook(module, args):
+            self.layer = i
+        return hook
+
+    def pack(self, t: torch.Tensor):
+        ptr = _storage_key(t)
+        if ptr in self.own:
+            return (t, t._version)  # hooks turn off autograd's own in-place check: keep ours
+        key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        s = self.seen.get(key)
+        if s is None:
+            s = self.seen[key] = SavedTensor(t, self.layer, self.rec.reloads)
+            self.rec.saved.append(s)
+        s.shared |= s.layer != self.layer
+        s.uses += 1
+        return s
+
+    @staticmethod
+    def unpack(x):
+        if isinstance(x, SavedTensor):
+            return x.get()
+        t, version = x
+        if t._version != version:
+            raise RuntimeError(
+                "a prompt record's graph was used after its weights were modified in place (an "
+                "optimizer step): a record is exact only for the weights version that made it")
+        return t
+
+    def __enter__(self):
+        layers = self.model.model.layers
+        self.handles = [m.register_forward_pre_hook(self._at(i)) for i, m in enumerate(layers)]
+        self.handles.append(self.model.model.norm.register_forward_pre_hook(self._at(len(layers))))
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        for h in self.handles:
+            h.remove()
+        self.seen.clear()
+
+
+class PrefixCache:
+    """Attention cache for a batch of responses that continue recorded prompts of any lengths.
+
+    Row b's prompt K/V fill key slots 0..P_b-1 (padded to the longest prompt); the T new tokens
+    follow at slots Pmax.., at positions P_b.., valid up to the row's own length. Masks apply
+    causality and the model's sliding window on absolute positions.
+    """
+
+    def __init__(self, records: Sequence[PromptRecord], new_lengths: Sequence[int], t: int,
+                 sliding_window: int | None) -> None:
+        self.records, self.sliding_window = list(records), sliding_window
+        device = records[0].device
+        plen = torch.tensor([r.length for r in records], device=device)
+        self.pmax = int(plen.max())
+        prompt_pos = torch.arange(self.pmax, device=device).expand(len(records), -1)
+        new = torch.arange(t, device=device)
+        key_pos = torch.cat([prompt_pos, plen[:, None] + new], dim=1)  # [B, S]
+        valid = torch.cat([prompt_pos < plen[:, None],
+                           new[None] < torch.tensor(list(new_lengths), device=device)[:, None]], 1)
+        self.positions = plen[:, None] + new  # [B, T]: where the new tokens sit
+        q, k = self.positions[:, :, None], key_pos[:, None, :]
+        ok = valid[:, None, :] & (k <= q)
+        if sliding_window is not None:
+            ok &= k > q - sliding_window
+        self.mask = ok[:, None]  # [B, 1, T, S]
+
+    def update(self, layer, k, v):
+        pk, pv = [], []
+        for r in self.records:
+            rk, rv = r.kv(layer)
+            pad = self.pmax - r.length
+            pk.append(F.pad(rk, (0, 0, 0, pad)))
+            pv.append(F.pad(rv, (0, 0, 0, pad)))
+        keys = torch.cat([torch.cat(pk), k], dim=2)
+        values = torch.cat([torch.cat(pv), v], dim=2)
+        return keys, values, self.mask
+
+
+def _pad(rows: Sequence[Sequence[int]], value: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], device=device)
+
+
+def reuse_loss(model: torch.nn.Module, records: Sequence[PromptRecord],
+               responses: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over the response tokens, and their count.
+
+    Runs only the response tokens (all but the last, which predicts nothing trained) in one padded
+    batch attending to the records' K/V; the first response token is scored from the recorded
+    last hidden state. Backward reaches the prompt positions through the records' graphs.
+    """
+    if len(records) != len(responses) or not records:
+        raise ValueError(f"{len(records)} records for {len(responses)} responses; need equal, >= 1")
+    for r, resp in zip(records, responses):
+        if len(resp) == 0:
+            raise ValueError(f"response {r.response_id!r} is empty; nothing to train on")
+    device = records[0].device
+    first = torch.tensor([resp[0] for resp in responses], device=device)
+    h = torch.cat([r.hidden() for r in records])  # [B, 1, H]
+    loss = F.cross_entropy(model.lm_head(h)[:, 0].float(), first, reduction="sum")
+    lengths = [len(resp) - 1 for resp in responses]
+    t = max(lengths)
+    if t > 0:
+        ids = _pad([resp[:-1] for resp in responses], 0, device)
+        labels = _pad([resp[1:] for resp in responses], IGNORE, device)
+        cache = PrefixCache(records, lengths, t, model.config.sliding_window)
+        logits = model(ids, cache.positions, cache).logits
+        loss = loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                      reduction="sum")
+    return loss, sum(len(resp) for resp in responses)
+
+
+def recompute_loss(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                   responses: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
+    """The baseline: one right-padded forward over prompt + response, logits only at the
+    positions that predict response tokens. Same return as `reuse_loss`."""
+    if len(prompts) != len(responses) or not prompts:
+        raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses; need equal, >= 1")
+    for p, resp in zip(prompts, responses):
+        if len(p) == 0 or len(resp) == 0:
+            raise ValueError(f"prompt of {len(p)} and response of {len(resp)} tokens; both need >= 1")
+    device = next(model.parameters()).device
+    ids = _pad([list(p) + list(r) for p, r in zip(prompts, responses)], 0, device)
+    at = _pad([range(len(p) - 1, len(p) + len(r) - 1) for p, r in zip(prompts, responses)], 0, device)
+    labels = _pad(responses, IGNORE, device)
+    logits = model(ids, logit_positions=at).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+    return loss, sum(len(r) for r in responses)
