@@ -1,0 +1,376 @@
+"""The online trainer: small batches of feedback, each sample reusing its prompt record or
+recomputing the prompt, as a planner decides; checkpoints that make a crash cost no feedback.
+
+Per step: take up to `per_device_train_batch_size` pending feedback from the log; `plan` decides
+per sample reuse or recompute, with the reason (no record, evicted, stale, cost); reused samples
+run one padded forward over their responses attending to the records' K/V, recomputed ones one
+forward over prompt + response; one loss (mean over all response tokens), one optimizer step, the
+weights version bumped, the feedback marked with the step, a JSON line logged. Every `save_steps`
+steps a checkpoint is written atomically; `resume()` loads the latest and reopens feedback marked
+by steps it lacks, so each feedback is in the weights exactly once.
+
+    cfg = load_config(OnlineTrainConfig, "online-smollm2")
+    trainer = OnlineTrainer(model, cfg, FeedbackLog(cfg.feedback_path), RecordStore(...), tokenize=...)
+    trainer.resume()
+    while trainer.train_step(): ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from reclaim.models.loading import parse_size
+from reclaim.online.feedback import Feedback, FeedbackLog
+from reclaim.online.recorder import PromptRecord, record_prompt, recompute_loss, reuse_loss
+from reclaim.online.store import RecordInfo, RecordStore
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint-"
+COST_MODELS = ("measure", "reuse", "recompute")
+
+
+@dataclass
+class OnlineTrainConfig:
+    """Online training from feedback; names follow transformers' TrainingArguments where they
+    exist. Load with `reclaim.config.load_config(OnlineTrainConfig, path_or_name, overrides)`."""
+
+    output_dir: str = "runs/online"
+    feedback_db: str | None = None  # None: output_dir/feedback.db
+    per_device_train_batch_size: int = 8
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    save_steps: int = 50  # checkpoint every N steps (0: never)
+    save_total_limit: int | None = 2
+    # Recording (the engine's side): all | requested (body key retain_for_training) | fraction:F
+    record: str = "requested"
+    record_budget: str = "1GB"  # records kept on the device
+    record_host_budget: str = "4GB"  # records offloaded to host memory
+    prefix_grad: bool = True  # False: records stop gradients at the prompt (cheaper, not exact)
+    max_staleness: int = 0  # weights versions a record may lag; 0: only exact reuse
+    cost_model: str = "measure"  # measure (at start-up) | reuse | recompute (always)
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        if self.per_device_train_batch_size < 1:
+            raise ValueError(f"per_device_train_batch_size={self.per_device_train_batch_size}: "
+                             "must be >= 1")
+        for name in ("save_steps", "max_staleness"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model={self.cost_model!r}; allowed: {list(COST_MODELS)}")
+        record_policy(self.record)
+        for name in ("record_budget", "record_host_budget"):
+            parse_size(getattr(self, name))
+
+    @property
+    def feedback_path(self) -> Path:
+        return Path(self.feedback_db) if self.feedback_db else Path(self.output_dir) / "feedback.db"
+
+
+def record_policy(policy: str) -> Callable[[bool], bool]:
+    """`should_record(requested)` for --record all | requested | fraction:F (F in [0, 1])."""
+    if policy == "all":
+        return lambda requested: True
+    if policy == "requested":
+        return lambda requested: requested
+    if policy.startswith("fraction:"):
+        try:
+            f = float(policy.removeprefix("fraction:"))
+        except ValueError:
+            f = math.nan
+        if 0 <= f <= 1:
+            rng = random.Random(0)
+            return lambda requested: requested or rng.random() < f
+    raise ValueError(f"record={policy!r}; allowed: 'all', 'requested', 'fraction:F' with 0 <= F <= 1")
+
+
+# ---- cost model and planner ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of a training step for one sample, as lines in its prompt length, by each path:
+    recompute = a + b * P; reuse = c + d * P + reload_s_per_byte * (bytes on host)."""
+
+    recompute_fixed_s: float
+    recompute_s_per_token: float
+    reuse_fixed_s: float
+    reuse_s_per_token: float
+    reload_s_per_byte: float
+
+    def recompute_s(self, prompt_tokens: int) -> float:
+        return self.recompute_fixed_s + self.recompute_s_per_token * prompt_tokens
+
+    def reuse_s(self, info: RecordInfo) -> float:
+        reload = info.nbytes * self.reload_s_per_byte if info.where == "host" else 0.0
+        return self.reuse_fixed_s + self.reuse_s_per_token * info.prompt_tokens + reload
+
+    @classmethod
+    def fixed(cls, prefer: str) -> "CostModel":
+        """A model that always prefers `prefer` ("reuse" or "recompute")."""
+        big = 1e9
+        return cls(0.0, 0.0, big, 0.0, 0.0) if prefer == "recompute" else cls(big, 0.0, 0.0, 0.0, 0.0)
+
+    @classmethod
+    def measure(cls, model: torch.nn.Module, prompt_tokens: Sequence[int] = (32, 128),
+                response_tokens: int = 32, repeats: int = 2) -> "CostModel":
+        """Time both paths' forward + backward on `model` at two prompt lengths, and a host
+        reload; the best of `repeats` runs (the machine may be shared)."""
+        vocab = model.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        points = []
+        for p in prompt_tokens:
+            prompt = torch.randint(vocab, (p,), generator=g).tolist()
+            resp = torch.randint(vocab, (response_tokens,), generator=g).tolist()
+            rec_s, reuse_s = math.inf, math.inf
+            for _ in range(repeats):
+                model.zero_grad(set_to_none=True)
+                t = time.perf_counter()
+                loss, _ = recompute_loss(model, [prompt], [resp])
+                loss.backward()
+                rec_s = min(rec_s, time.perf_counter() - t)
+                record = record_prompt(model, prompt, response_id="probe", version=0)
+                t = time.perf_counter()
+                loss, _ = reuse_loss(model, [record], [resp])
+                loss.backward()
+                reuse_s = min(reuse_s, time.perf_counter() - t)
+            points.append((p, rec_s, reuse_s))
+        model.zero_grad(set_to_none=True)
+        (p0, r0, u0), (p1, r1, u1) = points[0], points[-1]
+        span = max(p1 - p0, 1)
+        rec_b, reuse_b = max((r1 - r0) / span, 0.0), max((u1 - u0) / span, 0.0)
+        buf = torch.empty(4 << 20)  # 16 MiB
+        dev = next(model.parameters()).device
+        t = time.perf_counter()
+        buf.to(dev, copy=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        per_byte = (time.perf_counter() - t) / buf.nbytes
+        return cls(max(r0 - rec_b * p0, 0.0), rec_b, max(u0 - reuse_b * p0, 0.0), reuse_b, per_byte)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One thing to train on: the prompt and the response tokens the loss is on."""
+
+    feedback_id: int
+    response_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Reuse or recompute one sample, and why: record (exact reuse), record_stale (within
+    max_staleness, gradient stopped at the prompt), no_record, evicted, stale, cost."""
+
+    feedback_id: int
+    response_id: str
+    action: str  # "reuse" | "recompute"
+    reason: str
+    prompt_tokens: int
+    reuse_s: float | None  # the cost model's estimates
+    recompute_s: float
+
+
+def plan(samples: Sequence[Sample], infos: Sequence[RecordInfo], version: int, max_staleness: int,
+         cost: CostModel) -> list[Decision]:
+    """Per sample, reuse its record when it exists, is recent enough and is the cheaper path."""
+    out = []
+    for s, info in zip(samples, infos, strict=True):
+        p = len(s.prompt_ids)
+        rec_s = cost.recompute_s(p)
+        d = Decision(s.feedback_id, s.response_id, "recompute", "", p, None, rec_s)
+        if info.status != "present":
+            d = replace(d, reason="no_record" if info.status == "missing" else info.status)
+        elif info.prompt_tokens != p:
+            d = replace(d, reason="no_record")  # a record of another prompt: never attach it
+        elif not 0 <= version - info.version <= max_staleness:
+            d = replace(d, reason="stale")
+        else:
+            use_s = cost.reuse_s(info)
+            d = replace(d, reuse_s=use_s)
+            if use_s >= rec_s:
+                d = replace(d, reason="cost")
+            else:
+                d = replace(d, action="reuse",
+                            reason="record" if info.version == version else "record_stale")
+        out.append(d)
+    return out
+
+
+# ---- trainer ---------------------------------------------------------------------------------
+
+class OnlineTrainer:
+    """Trains `model` in place from a feedback log, reusing prompt records from a store."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OnlineTrainConfig, feedback: FeedbackLog,
+                 store: RecordStore, *, tokenize: Callable[[str], list[int]] | None = None,
+                 cost: CostModel | None = None) -> None:
+        self.model, self.cfg, self.feedback, self.store = model, cfg, feedback, store
+        self.tokenize = tokenize
+        if cost is None:
+            cost = CostModel.measure(model) if cfg.cost_model == "measure" else CostModel.fixed(
+                cfg.cost_model)
+        self.cost = cost
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+        self.step = 0  # optimizer steps taken; the weights version is the step
+        self.counts: Counter[str] = Counter()
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.out / "train_log.jsonl"
+
+    @property
+    def version(self) -> int:
+        return self.step
+
+    def sample(self, f: Feedback) -> Sample:
+        """The served response (rating 1) or the tokenized correction, after the logged prompt."""
+        r = self.feedback.response(f.response_id)
+        if f.correction is None:
+            return Sample(f.id, f.response_id, r.prompt_ids, r.response_ids)
+        if self.tokenize is None:
+            raise ValueError(f"feedback {f.id} has a correction, but the trainer was given no "
+                             "tokenize function")
+        ids = list(self.tokenize(f.correction))
+        if not ids:
+            raise ValueError(f"feedback {f.id}: correction {f.correction!r} tokenizes to nothing")
+        return Sample(f.id, f.response_id, r.prompt_ids, ids)
+
+    def train_step(self) -> dict | None:
+        """One optimizer step on the oldest pending feedback; its log entry, or None if none."""
+        batch = self.feedback.pending(limit=self.cfg.per_device_train_batch_size)
+        if not batch:
+            return None
+        t0 = time.perf_counter()
+        samples = [self.sample(f) for f in batch]
+        infos = [self.store.info(s.response_id) for s in samples]
+        decisions = plan(samples, infos, self.version, self.cfg.max_staleness, self.cost)
+        reused: list[tuple[Sample, PromptRecord]] = []
+        recomputed: list[Sample] = []
+        for i, (s, d) in enumerate(zip(samples, decisions)):
+            rec = None
+            if d.action == "reuse":
+                rec, status = self.store.take(s.response_id, self.version, self.cfg.max_staleness)
+                if rec is None:  # gone since planning
+                    decisions[i] = d = replace(d, action="recompute", reason=status)
+            elif d.reason == "stale" and infos[i].status == "present":
+                self.store.take(s.response_id, self.version, self.cfg.max_staleness)  # counted
+            elif infos[i].status == "present":
+                self.store.discard(s.response_id)  # the costlier path: free its memory now
+            if rec is not None:
+                reused.append((s, rec if status == "hit" and rec.exact else rec.detached()))
+            else:
+                recomputed.append(s)
+        tokens = sum(len(s.response_ids) for s in samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = 0.0
+        with torch.enable_grad():
+            if reused:
+                part, _ = reuse_loss(self.model, [r for _, r in reused],
+                                     [s.response_ids for s, _ in reused])
+                (part / tokens).backward()
+                loss += part.item()
+            if recomputed:
+                part, _ = recompute_loss(self.model, [s.prompt_ids for s in recomputed],
+                                         [s.response_ids for s in recomputed])
+                (part / tokens).backward()
+                loss += part.item()
+        if self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.step += 1
+        self.feedback.mark_trained([s.feedback_id for s in samples], self.step)
+        self.store.drop_older_than(self.version - self.cfg.max_staleness)
+        for d in decisions:
+            self.counts[d.action] += 1
+            self.counts[f"{d.action}:{d.reason}"] += 1
+        entry = dict(step=self.step, loss=loss / tokens, tokens=tokens,
+                     seconds=time.perf_counter() - t0,
+                     feedback_ids=[s.feedback_id for s in samples],
+                     decisions=[asdict(d) for d in decisions])
+        with open(self.log_path, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        log.info("online step %d: loss %.4f on %d tokens, %d reused, %d recomputed", self.step,
+                 entry["loss"], tokens, len(reused), len(recomputed))
+        if self.cfg.save_steps and self.step % self.cfg.save_steps == 0:
+            self.save()
+        return entry
+
+    def metrics(self) -> dict[str, float]:
+        """Decision counts (reuse, recompute, and per reason), reuse rate, step."""
+        n = self.counts["reuse"] + self.counts["recompute"]
+        return dict(step=self.step, reuse_rate=self.counts["reuse"] / n if n else 0.0,
+                    **self.counts)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoint-{step} directories, oldest first."""
+        found = [p for p in self.out.glob(f"{CHECKPOINT_PREFIX}*")
+                 if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+        return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+    def save(self) -> Path:
+        """Write checkpoint-{step}/ (HF model dir, optimizer, trainer_state.json) atomically."""
+        from reclaim.models.loading import MAX_SHARD_SIZE, atomic_dir, write_weights
+
+        def write(tmp: Path) -> None:
+            cfg = self.model.config
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
+            write_weights(self.model, cfg, tmp, MAX_SHARD_SIZE)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            state = dict(step=self.step, version=self.version, counts=dict(self.counts))
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+        path = atomic_dir(self.out / f"{CHECKPOINT_PREFIX}{self.step}", write)
+        if self.cfg.save_total_limit:
+            for old in self.checkpoints()[:-self.cfg.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def resume(self) -> int:
+        """Load the latest checkpoint (none: keep the model as given, step 0), reopen feedback
+        trained by later steps and drop their log lines; returns the step resumed at."""
+        from reclaim.models.loading import SafetensorsSource
+
+        found = self.checkpoints()
+        if found:
+            last = found[-1]
+            state = json.loads((last / "trainer_state.json").read_text())
+            src = SafetensorsSource(last)
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(src[name])
+            self.optimizer.load_state_dict(torch.load(last / "optimizer.pt"))
+            self.step = state["step"]
+            self.counts = Counter(state.get("counts", {}))
+        reopened = self.feedback.unmark_after(self.step)
+        if self.log_path.exists():
+            keep = []
+            for line in self.log_path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= self.step:
+                        keep.append(line)
+                except json.JSONDecodeError:  # a line torn by the crash
+                    continue
+            self.log_path.write_text("".join(ln + "\n" for ln in keep))
+        log.info("online trainer resumed at step %d; %d feedback reopened", self.step, reopened)
+        return self.step
