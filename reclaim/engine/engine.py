@@ -28,7 +28,7 @@ from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
 from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from reclaim.engine.runner import ModelRunner, Row
-from reclaim.engine.sampling import make_generator, sample_each, token_logprobs
+from reclaim.engine.sampling import make_generator, process_logits, sample_each, token_logprobs
 from reclaim.engine.speculative import (
     Draft, Drafter, DraftRequest, SpeculativeConfig, accept, accept_tree, make_drafter,
 )
@@ -156,6 +156,7 @@ class Engine:
             generator=make_generator(params.seed, self.device),
             detok=IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         with self._inbox_lock:
             pending = {r.seq.request_id for kind, r in self._inbox if kind == "add"}
@@ -274,6 +275,9 @@ class Engine:
             for c, r, h in zip(chunks, rows, hidden):
                 if not c.sample and self.drafter is not None:
                     self.drafter.observe(c.request_id, c.start, r.token_ids, h)
+            for c, h in zip(chunks, hidden):
+                if c.is_prefill and self._requests[c.request_id].seq.params.prompt_logprobs is not None:
+                    self._prompt_logprobs(self._requests[c.request_id], c, h)
             sampling = [i for i, c in enumerate(chunks) if c.sample]
             if not sampling:
                 return []
@@ -284,8 +288,15 @@ class Engine:
             reqs = [self._requests[chunks[i].request_id] for i in sampling]
             plain = [j for j, i in enumerate(sampling) if chunks[i].request_id not in drafts]
             chosen: list[list[int] | Exception] = [[] for _ in sampling]
+            rows_x = {}
+            for j in plain:
+                try:
+                    rows_x[j] = self._processed(reqs[j], per_row[j][0])
+                except Exception as exc:  # noqa: BLE001 - its constraint or processors: it alone fails
+                    chosen[j] = exc
+            plain = [j for j in plain if j in rows_x]
             if plain:
-                got = sample_each(torch.stack([per_row[j][0] for j in plain]), [reqs[j].seq.params for j in plain],
+                got = sample_each(torch.stack([rows_x[j] for j in plain]), [reqs[j].seq.params for j in plain],
                                   [reqs[j].generator for j in plain], self.generator)
                 for j, t in zip(plain, got):
                     chosen[j] = t if isinstance(t, Exception) else [t]
@@ -304,12 +315,32 @@ class Engine:
                 out.append((req.seq.request_id, chosen[j], lps))
         return out
 
+    def _processed(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
+        """A row's logits after its logits processors and constraint (as is when it has none)."""
+        p = req.seq.params
+        if not p.processes_logits:
+            return logits
+        seq = req.seq
+        stop = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        return process_logits(logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, stop)
+
+    def _prompt_logprobs(self, req: RequestState, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this prefill chunk predicts (position j predicts j + 1)."""
+        seq, k = req.seq, req.seq.params.prompt_logprobs
+        have = 1 + len(req.prompt_logprobs)  # prompt tokens with a logprob (the first has none)
+        end = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)  # last predicting position + 1
+        for a in range(max(chunk.start, have - 1), end, 256):  # bounded logits memory
+            b = min(a + 256, end)
+            x = self.runner.logits(hidden[a - chunk.start: b - chunk.start])
+            req.prompt_logprobs += token_logprobs(x, seq.token_ids[a + 1: b + 1], [k] * (b - a))
+
     def _drafts(self, chunks: list[ScheduledChunk]) -> dict[str, Draft]:
-        """Drafts for the decodes the scheduler left room for (empty drafts dropped)."""
+        """Drafts for the decodes the scheduler left room for (empty drafts dropped); requests
+        whose logits are processed (penalties, grammars) are not speculated."""
         t0 = time.perf_counter()
         asks = [DraftRequest(c.request_id, self._requests[c.request_id].seq.token_ids, c.lookahead,
                              self._requests[c.request_id].seq.params, self._requests[c.request_id].generator)
-                for c in chunks if c.lookahead > 0]
+                for c in chunks if c.lookahead > 0 and not self._requests[c.request_id].seq.params.processes_logits]
         if not asks:
             return {}
         drafts = {}

@@ -25,6 +25,7 @@ class RequestState:
     generator: torch.Generator | None
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., as prefill computes them
     first_version: int | None = None  # weights version of the first output token
     finish_reason: str | None = None
     error: str | None = None
@@ -34,6 +35,11 @@ def stop_reason(state: RequestState, token: int, eos_token_ids: set[int], max_mo
     """Append `token` to the request (sequence and detokenizer); why it finishes, or None."""
     seq, p = state.seq, state.seq.params
     seq.token_ids.append(token)
+    if p.constraint is not None:
+        p.constraint.accept(token)
+        if p.constraint.finished():
+            state.detok.add(token)
+            return "stop"
     if token in p.stop_token_ids or (token in eos_token_ids and not p.ignore_eos):
         return "stop"  # the stop token stays in token_ids but adds no text
     if state.detok.add(token):
@@ -57,6 +63,9 @@ def commit(
     """
     if state.first_version is None:
         state.first_version = version
+    if state.seq.params.max_tokens == 0:  # prefill only
+        state.finish_reason = "length"
+        return output(state, [], [] if state.logprobs is not None else None, version)
     added: list[int] = []
     new_lps: list[TokenLogprob] | None = [] if state.logprobs is not None else None
     for i, token in enumerate(tokens):
@@ -98,4 +107,6 @@ def output(state: RequestState, new_ids: list[int], new_lps: list[TokenLogprob] 
         out.token_ids = seq.output_token_ids
         out.text = state.detok.text[: state.detok.emitted]
         out.logprobs = list(state.logprobs) if state.logprobs is not None else None
+        if state.prompt_logprobs is not None:
+            out.prompt_logprobs = [None, *state.prompt_logprobs]
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are greedy: dividing logits by less overflows float32 (1e-39 gave garbage).
 GREEDY_TEMPERATURE = 1e-5
@@ -24,6 +25,12 @@ class SamplingParams:
     top_k <= 0 and top_p = 1 and min_p = 0 disable those filters; temperature 0 (or below
     GREEDY_TEMPERATURE) is greedy.
     logprobs: None for none, k >= 0 for the sampled token's logprob plus the k most likely.
+    prompt_logprobs: the same for every prompt token after the first, computed at prefill.
+    Logits processing, in this order: logit_bias (OpenAI: added to the logits), repetition_penalty
+    (HF/vLLM: over prompt and output tokens, 1 = off), presence_penalty and frequency_penalty
+    (OpenAI: over output tokens), min_tokens (EOS and stop_token_ids masked until that many
+    tokens), then `constraint` (a grammar: see constraint.py; one object per request, it holds
+    state). max_tokens 0 runs the prefill only (e.g. for prompt_logprobs).
     """
 
     temperature: float = 1.0
@@ -37,6 +44,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
+    constraint: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,8 +62,23 @@ class SamplingParams:
             (isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k,
              f"-1 to {MAX_TOP_K} (0 or -1 disables it)"),
             (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]"),
-            (isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS, "max_tokens",
-             self.max_tokens, f"1 to {MAX_TOKENS}"),
+            (isinstance(self.max_tokens, int) and 0 <= self.max_tokens <= MAX_TOKENS, "max_tokens",
+             self.max_tokens, f"0 (prefill only) to {MAX_TOKENS}"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= max(self.max_tokens, 0), "min_tokens",
+             self.min_tokens, f"0 to max_tokens ({self.max_tokens})"),
+            (_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             self.presence_penalty, "-2 to 2"),
+            (_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             self.frequency_penalty, "-2 to 2"),
+            (_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty",
+             self.repetition_penalty, "in (0, 10] (1 = off)"),
+            (self.logit_bias is None or (len(self.logit_bias) <= 1024 and all(
+                isinstance(t, int) and t >= 0 and _finite(b) and -100 <= b <= 100
+                for t, b in self.logit_bias.items())), "logit_bias",
+             None if self.logit_bias is None else dict(list(self.logit_bias.items())[:4]),
+             "at most 1024 token ids >= 0 with biases from -100 to 100"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             self.prompt_logprobs, "None or 0..20"),
             (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63), "seed",
              self.seed, "None or a 64-bit signed integer"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
@@ -68,6 +97,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the logits before the filters (such rows are not speculated:
+        their distribution depends on the tokens before them in a draft)."""
+        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.constraint is not None)
 
 
 @dataclass
@@ -101,6 +137,7 @@ class RequestOutput:
     text_offset: int = 0  # characters of text released before delta_text
     num_output_tokens: int = 0
     error: str | None = None  # why the request failed (finish_reason "error"); others go on
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # final output, when asked: [None, ...]
     # Final output only (None while running):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None

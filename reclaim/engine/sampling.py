@@ -28,6 +28,36 @@ def sanitize(logits: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+                   stop_ids: set[int]) -> torch.Tensor:
+    """One row's logits [V] after logit_bias, repetition, presence and frequency penalties,
+    min_tokens (stop_ids masked) and the constraint's mask; a new tensor, logits untouched."""
+    x = logits.float().clone()
+    v = x.shape[-1]
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < v]
+        x[ids] += torch.tensor([float(params.logit_bias[t]) for t in ids], device=x.device)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=x.device, dtype=torch.long)
+        if seen.numel():
+            vals = x[seen]
+            x[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=x.device), minlength=v)[:v].to(x.dtype)
+        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype)
+    if len(output) < params.min_tokens:
+        ids = [t for t in stop_ids if t < v]
+        x[ids] = float("-inf")
+    if params.constraint is not None:
+        mask = params.constraint.allowed(v)
+        if mask is not None:
+            mask = mask.to(x.device)[:v]
+            if not mask.any():
+                raise ValueError("the constraint allows no token at all")
+            x = x.masked_fill(~mask, float("-inf"))
+    return x
+
+
 def filter_sorted(
     sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:

@@ -198,8 +198,8 @@ class Scheduler:
         """Computed prompt blocks a new sequence can take from others ([] for none), or None when
         the next block it needs is being computed in this step (it waits a step and shares it).
         The last prompt token is always left to compute: its logits give the first token."""
-        if seq.num_computed or self.blocks.tables.get(seq.request_id):
-            return []
+        if seq.num_computed or self.blocks.tables.get(seq.request_id) or seq.params.prompt_logprobs is not None:
+            return []  # (prompt logprobs need every prompt position computed)
         hashes = self._hashes(seq)[: (seq.num_prompt_tokens - 1) // self.blocks.block_size]
         found = self.blocks.cached_prefix(hashes)
         if len(found) < len(hashes):
@@ -223,7 +223,10 @@ class Scheduler:
         self._computing = []
 
     def _lookahead(self, seq: Sequence, want: int) -> int:
-        """Draft tokens worth verifying after `seq`'s decode, with their blocks allocated."""
+        """Draft tokens worth verifying after `seq`'s decode, with their blocks allocated (none
+        for a request whose logits are processed: the engine does not speculate those)."""
+        if seq.params.processes_logits:
+            return 0
         left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens)  # incl. this step's
         n = max(0, min(want, left - 1, self.max_model_len - seq.num_tokens - 1))
         while n > 0 and not self.blocks.allocate(seq.request_id, seq.num_computed + n):
