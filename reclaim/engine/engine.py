@@ -420,6 +420,18 @@ class Engine:
                 hidden = self.runner.forward([Row(request_id, seq.num_computed, list(token_ids))])
                 return ForwardOutput(self.logits(hidden), hidden if return_hidden else None)
 
+    def set_speculative(self, config: SpeculativeConfig | None) -> None:
+        """Change the speculative config between steps (None: plain decoding). The drafter stays
+        the one the engine was built with; an EAGLE drafter takes the new depth and tree shape.
+        An adaptive rollout picks the config per step this way."""
+        with self._step_lock:
+            if config is not None and self.drafter is None:
+                self.drafter = make_drafter(config, self.model)
+            if config is not None and hasattr(self.drafter, "topk"):
+                self.drafter.topk, self.drafter.depth = config.eagle_topk, config.num_speculative_tokens
+                self.drafter.total = config.lookahead
+            self.speculative = config
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy new weights in between steps (the names of model.state_dict()); returns the new version.
 
