@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -41,6 +41,16 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # What happens to running requests' cached K/V when weights change: recompute it with the new
 # weights (exact: no token is conditioned on old-weights K/V), or keep it (cheaper, mixes versions).
 KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
+
+
+class Recorder(Protocol):
+    """Runs a recorded request's whole prompt forward (e.g. with autograd, kept for training)
+    and hands back what serving needs: each layer's K and V ([1, Hkv, P, D]) and the final
+    hidden states ([P, H]). Called inside the step, between forwards; tensors are copied."""
+
+    def __call__(self, request_id: str, prompt_ids: list[int], weights_version: int
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        ...
 
 
 @dataclass
@@ -78,6 +88,7 @@ class Engine:
         kv_on_weight_update: str = "recompute",
         speculative: SpeculativeConfig | None = None,
         drafter: Drafter | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -102,6 +113,8 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._default_eos())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.on_forward = on_forward
+        self.recorder = recorder
+        self.num_recorded = 0
         self.kv_on_weight_update = kv_on_weight_update
         self.speculative = speculative
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
@@ -129,8 +142,14 @@ class Engine:
         request_id: str | None,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        *,
+        record: bool = False,
     ) -> str:
-        """Queue a request (prompt text or token ids); returns its id. Runs from the next step()."""
+        """Queue a request (prompt text or token ids); returns its id. Runs from the next step().
+
+        record: run its prefill through the engine's `recorder` (e.g. with autograd, kept for
+        training on feedback later: reclaim/online); the engine then serves from that forward.
+        """
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -149,10 +168,12 @@ class Engine:
                 f"prompt has {len(ids)} tokens; allowed: 1 to {self.max_model_len - 1} "
                 f"(max_model_len={self.max_model_len})"
             )
+        if record and self.recorder is None:
+            raise ValueError("record=True needs an engine built with a recorder (serve --learn)")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         req = RequestState(
-            seq=Sequence(request_id, ids, len(ids), params),
+            seq=Sequence(request_id, ids, len(ids), params, record=record),
             generator=make_generator(params.seed, self.device),
             detok=IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
@@ -184,6 +205,7 @@ class Engine:
             "num_preemptions": self.num_preemptions,
             "num_request_errors": self.num_request_errors,
             "num_shared_prefix_tokens": self.scheduler.num_shared_tokens,
+            "num_recorded": self.num_recorded,
             "weights_version": self.weights_version,
             **{f"spec_{k}": v for k, v in self.spec_stats.items()},
         }
@@ -258,6 +280,7 @@ class Engine:
         the tokens of each chunk that ends its sequence: (request id, tokens to commit or the
         exception that failed that request alone, their logprobs or None)."""
         drafts = self._drafts(chunks)
+        recorded = self._record(chunks)
         rows = []
         for c in chunks:
             seq = self._requests[c.request_id].seq
@@ -265,7 +288,13 @@ class Engine:
             rows.append(Row(c.request_id, c.start, seq.token_ids[c.start:c.start + c.num_tokens] + draft.tokens,
                             None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]))
         with torch.inference_mode():
-            hidden = self.runner.run(rows)
+            run = [i for i, c in enumerate(chunks) if c.request_id not in recorded]
+            hidden: list[torch.Tensor] = [None] * len(chunks)
+            for i, h in zip(run, self.runner.run([rows[i] for i in run]) if run else []):
+                hidden[i] = h
+            for i, c in enumerate(chunks):
+                if c.request_id in recorded:
+                    hidden[i] = recorded[c.request_id]
             if self.on_forward is not None:
                 self.on_forward([
                     ForwardRecord(c.request_id, c.start, r.token_ids[: c.num_tokens], h[: c.num_tokens],
@@ -313,6 +342,26 @@ class Engine:
                     n = len(chosen[j])
                     lps = token_logprobs(per_row[j][:n], chosen[j], [req.seq.params.logprobs] * n)
                 out.append((req.seq.request_id, chosen[j], lps))
+        return out
+
+    def _record(self, chunks: list[ScheduledChunk]) -> dict[str, torch.Tensor]:
+        """Run the recorder for recorded requests whose prefill starts now: the whole prompt at
+        once (whatever the step's token budget), its K/V written into the cache, recorded once
+        (a later recompute after preemption is an ordinary prefill). The chunk becomes the whole
+        prompt; returns each one's final hidden states [P, H]."""
+        out = {}
+        for c in chunks:
+            seq = self._requests[c.request_id].seq
+            if not (seq.record and c.start == 0 and c.is_prefill):
+                continue
+            p = seq.num_prompt_tokens
+            if not self.blocks.allocate(seq.request_id, p):
+                continue  # no room for the whole prompt now: an ordinary prefill, not recorded
+            keys, values, hidden = self.recorder(seq.request_id, seq.token_ids[:p], self.weights_version)
+            self.runner.write_kv(seq.request_id, 0, keys, values)
+            c.num_tokens, c.sample, seq.num_computed, seq.record = p, True, p, False
+            self.num_recorded += 1
+            out[seq.request_id] = hidden.detach().to(self.device).reshape(p, -1)
         return out
 
     def _processed(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:

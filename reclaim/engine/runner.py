@@ -97,6 +97,18 @@ class ModelRunner:
         for kv in (self.pool.k_slots, self.pool.v_slots):
             kv[:, :, d_idx] = kv[:, :, s_idx]
 
+    def write_kv(self, seq_id: str, start: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store K/V computed elsewhere (a recorded prefill) for positions start.. of a sequence:
+        per layer [1, Hkv, T, D] (any dtype and device; copied, never kept)."""
+        t = keys[0].shape[2]
+        table, bs = self.blocks.tables[seq_id], self.blocks.block_size
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + t)], device=self.device)
+        with torch.no_grad():
+            for layer, (k, v) in enumerate(zip(keys, values)):
+                dtype = self.pool.k_slots.dtype
+                self.pool.k_slots[layer].index_copy_(1, slots, k[0].detach().to(self.device, dtype))
+                self.pool.v_slots[layer].index_copy_(1, slots, v[0].detach().to(self.device, dtype))
+
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """One model forward over `rows` (padded to the longest); final hidden states [B, T, H]."""
         new = [len(r.token_ids) for r in rows]

@@ -25,6 +25,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     prompt_hashes: list[int] | None = None  # of its full prompt blocks (prefix sharing), made once
+    record: bool = False  # its prefill is recorded for training (the whole prompt, never shared)
 
     @property
     def num_tokens(self) -> int:
@@ -198,8 +199,9 @@ class Scheduler:
         """Computed prompt blocks a new sequence can take from others ([] for none), or None when
         the next block it needs is being computed in this step (it waits a step and shares it).
         The last prompt token is always left to compute: its logits give the first token."""
-        if seq.num_computed or self.blocks.tables.get(seq.request_id) or seq.params.prompt_logprobs is not None:
-            return []  # (prompt logprobs need every prompt position computed)
+        if seq.num_computed or self.blocks.tables.get(seq.request_id) or seq.params.prompt_logprobs is not None \
+                or seq.record:
+            return []  # (prompt logprobs and records need every prompt position computed)
         hashes = self._hashes(seq)[: (seq.num_prompt_tokens - 1) // self.blocks.block_size]
         found = self.blocks.cached_prefix(hashes)
         if len(found) < len(hashes):

@@ -1,0 +1,54 @@
+"""A recorded request's prefill is the recorder's forward (e.g. with autograd, for training): the
+engine serves from its K/V and hidden states, so outputs equal an unrecorded run, the recorder
+is called once per request with the whole prompt, and nothing else changes."""
+
+import pytest
+import torch
+
+from conftest import make_pair
+from reclaim.engine.engine import Engine
+from reclaim.engine.request import SamplingParams
+from reclaim.models.cache import DenseCache
+
+
+class GradRecorder:
+    """A recorder as the online learner runs it: the prompt forward with autograd, graph kept."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.kept = model, [], {}
+
+    def __call__(self, request_id, prompt_ids, version):
+        cache = DenseCache()
+        with torch.enable_grad():
+            out = self.model(torch.tensor([prompt_ids]), cache=cache, return_hidden=True, compute_logits=False)
+        self.calls.append((request_id, list(prompt_ids), version))
+        self.kept[request_id] = out.hidden
+        n = len(cache.keys)
+        return [cache.keys[i] for i in range(n)], [cache.values[i] for i in range(n)], out.hidden[0]
+
+
+@pytest.mark.parametrize("budget", [2048, 5])  # the whole prompt is recorded even past the budget
+def test_recorded_requests_serve_exactly_as_unrecorded(budget):
+    model, _ = make_pair(seed=3)
+    prompts = [[5, 9, 33, 70, 12, 3, 40], list(range(20, 41)), [7, 8]]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=10, ignore_eos=True, logprobs=1) for i in range(3)]
+    plain = Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=budget).generate(prompts, params)
+    rec = GradRecorder(model)
+    eng = Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=budget, recorder=rec)
+    ids = [eng.add_request(None, p, sp, record=i != 1) for i, (p, sp) in enumerate(zip(prompts, params))]
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    for i, o in zip(ids, plain):
+        assert final[i].token_ids == o.token_ids
+        assert [lp.logprob for lp in final[i].logprobs] == pytest.approx([lp.logprob for lp in o.logprobs], abs=1e-5)
+    assert [(c[0], c[1]) for c in rec.calls] == [(ids[0], prompts[0]), (ids[2], prompts[2])]
+    assert all(h.requires_grad for h in rec.kept.values())  # the graph is there for training
+    assert eng.stats()["num_recorded"] == 2 and eng.blocks.num_free == 64
+
+
+def test_record_needs_a_recorder(tiny):
+    with pytest.raises(ValueError, match="needs an engine built with a recorder"):
+        Engine(tiny[0], num_blocks=16, block_size=4, max_model_len=64).add_request("r", [1, 2], record=True)
