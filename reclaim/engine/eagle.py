@@ -20,7 +20,7 @@ import torch
 from reclaim.engine.sampling import probs
 from reclaim.engine.speculative import Draft, DraftRequest
 from reclaim.models.cache import DenseCache
-from reclaim.models.drafter import EagleDrafter, load_drafter
+from reclaim.models.drafter import EagleDrafter, draft_head, load_drafter
 
 
 @dataclass
@@ -73,7 +73,19 @@ class EagleProposer:
         self.topk, self.depth, self.total = topk, depth, total or depth * topk
         self.embed = target.model.embed_tokens
         self.head = target.lm_head
+        self.target = target
         self._states: dict[str, _State] = {}
+        self._head_rows: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
+
+    def _logits(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [..., N] over the draft vocabulary and its target ids (None: all V). The
+        head rows are copied once per version of the target's head (it changes with RL steps)."""
+        w = self.head.weight
+        if self._head_rows is None or self._head_rows[0] != w._version:
+            rows, ids = draft_head(self.drafter, self.target)
+            self._head_rows = (w._version, rows.contiguous() if ids is not None else rows, ids)
+        _, rows, ids = self._head_rows
+        return torch.nn.functional.linear(g, rows).float(), ids
 
     @classmethod
     def load(cls, path: str | os.PathLike, target: torch.nn.Module, **tree: int) -> "EagleProposer":
@@ -131,13 +143,16 @@ class EagleProposer:
             return self._tree(st, g, n, r.max_tokens)
         tokens, qs = [], []
         for j in range(r.max_tokens):
-            logits = self.head(g[None]).float()
+            logits, ids = self._logits(g[None])
             if r.params.greedy:
                 tok = int(logits[0].argmax())
             else:
                 q = probs(logits, [r.params])[0]
                 tok = int(torch.multinomial(q.float(), 1, generator=r.generator).item())
+                if ids is not None:  # q over the whole vocabulary: zero outside the draft's
+                    q = torch.zeros(self.head.weight.shape[0], dtype=q.dtype, device=q.device).index_copy_(0, ids, q)
                 qs.append(q)
+            tok = tok if ids is None else int(ids[tok])
             tokens.append(tok)
             if j + 1 < r.max_tokens:
                 g = self._step(st, [tok], g[None], n + j)[-1]
@@ -147,9 +162,11 @@ class EagleProposer:
     def _tree(self, st: _State, g: torch.Tensor, n: int, budget: int) -> Draft:
         """EAGLE-2's dynamic tree from g (the prediction of f_n); deterministic tokens."""
         k = self.topk
-        lp = torch.log_softmax(self.head(g[None]).float(), -1)[0]
+        logits, ids = self._logits(g[None])
+        to_target = (lambda t: t) if ids is None else (lambda t: ids[t])
+        lp = torch.log_softmax(logits, -1)[0]
         top = lp.topk(k)
-        tokens, parents, scores = top.indices.tolist(), [-1] * k, top.values.tolist()
+        tokens, parents, scores = to_target(top.indices).tolist(), [-1] * k, top.values.tolist()
         frontier = list(range(k))  # nodes to expand next
         feats = g[None].expand(k, -1)  # each frontier node's input feature (its parent's prediction)
         cache = _BranchCache(st.cache)
@@ -159,12 +176,12 @@ class EagleProposer:
             ids = torch.tensor([[tokens[i]] for i in frontier], device=dev)
             pos = torch.full((len(frontier), 1), n + d - 1, device=dev)
             out = self.drafter(emb(ids), feats[:, None], pos, cache)[:, 0]  # [B, H]
-            lp = torch.log_softmax(self.head(out).float(), -1)
+            lp = torch.log_softmax(self._logits(out)[0], -1)
             cand = torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + lp
             val, idx = cand.topk(k, -1)  # [B, k] best children of each frontier node
             first = len(tokens)
             for b, node in enumerate(frontier):
-                tokens += idx[b].tolist()
+                tokens += to_target(idx[b]).tolist()
                 parents += [node] * k
                 scores += val[b].tolist()
             best = val.flatten().topk(k).indices  # the next frontier: best children overall

@@ -8,6 +8,12 @@ The embeddings and the LM head are the target's (shared, frozen, not stored). As
 vLLM's loader, the layer has no input norm (fc's output goes straight into attention) and there
 is no final norm. On disk it is the EAGLE layout vLLM and SGLang load: config.json (the target's
 config with one hidden layer) and model.safetensors with `fc.weight` and `layers.0.*`.
+
+A reduced draft vocabulary (`draft_ids`, EAGLE-3's idea): the drafter scores only the N most
+frequent tokens with those rows of the target's head. On a CPU the full head is most of a draft
+token's cost (SmolLM2: a 49K x 576 matrix), so an 8K vocabulary makes drafting several times
+cheaper; drafts stay lossless (tokens outside it are simply never proposed). Stored as EAGLE-3's
+`d2t` (draft index -> target id offset) and `t2d` (target ids in the draft vocabulary).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ WEIGHTS_NAME = "model.safetensors"
 class EagleDrafter(nn.Module):
     """The drafter's own weights: fc and one decoder layer (embeddings and head are the target's)."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, draft_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = dataclasses.replace(cfg, num_hidden_layers=1)
         h = cfg.hidden_size
@@ -38,6 +44,9 @@ class EagleDrafter(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(self.config, 0)])
         self.layers[0].input_layernorm = nn.Identity()
         self.register_buffer("inv_freq", rope_inv_freq(self.config), persistent=False)
+        # Target ids of the draft vocabulary, ascending (None: the whole vocabulary).
+        self.register_buffer("draft_ids", None if draft_ids is None else check_draft_ids(draft_ids, cfg.vocab_size),
+                             persistent=False)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 cache: AttentionCache | None = None) -> torch.Tensor:
@@ -48,6 +57,24 @@ class EagleDrafter(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         return self.layers[0](x, cos, sin, cache)
+
+
+def check_draft_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Distinct ascending target ids in range, as a long tensor."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    if ids.numel() == 0 or (ids[1:] <= ids[:-1]).any() or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"draft vocabulary of {ids.numel()} ids must be distinct, ascending ids in 0.."
+                         f"{vocab_size - 1}")
+    return ids
+
+
+def most_frequent(token_ids: list[list[int]], n: int, vocab_size: int) -> torch.Tensor:
+    """The n most frequent ids in `token_ids` (ties by id), ascending: a draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in token_ids:
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    top = counts.argsort(descending=True, stable=True)[: min(n, vocab_size)]
+    return top.sort().values
 
 
 def check_fits(cfg: LlamaConfig, target_cfg: LlamaConfig, where: str = "the drafter") -> None:
@@ -72,8 +99,15 @@ def save_drafter(drafter: EagleDrafter, path: str | os.PathLike) -> Path:
     def write(out: Path) -> None:
         cfg = drafter.config.to_hf()
         cfg["torch_dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+        if drafter.draft_ids is not None:  # EAGLE-3's draft vocabulary maps
+            ids = drafter.draft_ids.cpu()
+            cfg["draft_vocab_size"] = ids.numel()
+            tensors["d2t"] = ids - torch.arange(ids.numel())
+            t2d = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            tensors["t2d"] = t2d
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
 
     return atomic_dir(Path(path), write)
@@ -85,10 +119,14 @@ def load_drafter(path: str | os.PathLike, target: nn.Module) -> EagleDrafter:
     if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"drafter directory {str(path)!r} needs config.json and {WEIGHTS_NAME} "
                                 "(the EAGLE layout); train one with `reclaim drafter train`")
-    cfg = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("draft_vocab_size", None)
+    cfg = LlamaConfig.from_hf(raw)
     check_fits(cfg, target.config, f"drafter {str(path)!r}")
-    drafter = EagleDrafter(dataclasses.replace(target.config, num_hidden_layers=1))
     tensors = load_file(str(path / WEIGHTS_NAME))
+    d2t, _ = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    draft_ids = None if d2t is None else torch.arange(d2t.numel()) + d2t
+    drafter = EagleDrafter(dataclasses.replace(target.config, num_hidden_layers=1), draft_ids)
     tensors = {k: v for k, v in tensors.items() if not k.startswith(("embed_tokens.", "lm_head."))}
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     if missing or unexpected:
@@ -96,3 +134,12 @@ def load_drafter(path: str | os.PathLike, target: nn.Module) -> EagleDrafter:
                          f"{unexpected[:5]}; expected fc.weight and layers.0.*")
     p = next(target.parameters())
     return drafter.to(device=p.device, dtype=p.dtype).eval()
+
+
+def draft_head(drafter: EagleDrafter, target: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head rows the drafter scores ([N or V, H]) and their target ids (None: all)."""
+    w = target.lm_head.weight
+    if drafter.draft_ids is None:
+        return w, None
+    ids = drafter.draft_ids.to(w.device)
+    return w.index_select(0, ids), ids

@@ -186,3 +186,38 @@ def test_weight_swap_during_speculation_continues_as_the_new_weights_would(targe
     want = Engine(other, num_blocks=128, block_size=4).generate(
         [prompt + head], SamplingParams(temperature=0, max_tokens=16 - len(head), ignore_eos=True))[0]
     assert rest == want.token_ids
+
+
+def test_reduced_draft_vocabulary_is_lossless_and_round_trips(tmp_path, target_and_drafter):
+    """A drafter scoring only a subset of the vocabulary (EAGLE-3's d2t) proposes only those
+    tokens, stays lossless, and saves/loads its map."""
+    from reclaim.models.drafter import EagleDrafter, most_frequent
+
+    target, drafter = target_and_drafter
+    prompts = _prompts(20, seed=11)
+    ids = most_frequent(prompts, 40, target.config.vocab_size)
+    small = EagleDrafter(target.config, ids)
+    small.load_state_dict(drafter.state_dict())
+    seen = []
+    proposer = EagleProposer(small, target)
+    propose = proposer.propose
+    proposer.propose = lambda reqs: [seen.extend(d.tokens) or d for d in propose(reqs)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
+    eng = Engine(target, num_blocks=128, block_size=4, speculative=SPEC, drafter=proposer)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert seen and set(seen) <= set(ids.tolist())
+    path = save_drafter(small, tmp_path / "small")
+    keys = set(load_file(str(path / "model.safetensors")))
+    assert {"d2t", "t2d"} <= keys and json.loads((path / "config.json").read_text())["draft_vocab_size"] == 40
+    assert torch.equal(load_drafter(path, target).draft_ids, ids)
+
+
+def test_sampled_reduced_vocabulary_matches_plain_distribution():
+    from reclaim.models.drafter import EagleDrafter
+    from test_speculative import _joint_chi2_passes
+
+    target, _ = make_pair(seed=4, vocab_size=8)
+    torch.manual_seed(3)
+    proposer = EagleProposer(EagleDrafter(target.config, torch.tensor([1, 3, 5, 6])), target)
+    assert _joint_chi2_passes(target, proposer, top_k=0)
