@@ -10,11 +10,15 @@ g_i ~ f_{i+1}; the loss, over positions whose f_{i+1} belongs to the response, i
 with the target's embeddings and LM head frozen (the soft cross-entropy is against the target's
 next-token distribution). EAGLE (SafeAILab/EAGLE, train/main.py) weights them 1.0 and 0.1 and adds
 uniform noise to the input features, (U[0,1) - 0.5) * 0.2 * 512 / T, which is +-0.1 at its usual
-T = 512; here the noise is a fixed U(-feature_noise, feature_noise), 0.1 by default.
+T = 512; here the noise is a fixed U(-feature_noise, feature_noise), 0.1 by default. Two
+options: `unroll_steps` > 1 adds passes that feed the drafter's own predictions in place of f
+(what chain drafting does after its first token; EAGLE-3's training-time test in its simplest
+form), and `ce_vocab` takes the cross-entropy over the buffer's tokens only (SmolLM2's head is
+most of a step's cost).
 
-Online use (the RL engine on idle workers): `collect` turns rollouts into samples (or take the
-hidden states the engine already computed), a `DrafterBuffer` keeps the newest within a token
-budget, `train_drafter` runs optimizer steps on it. Batches and noise are drawn from (seed, step),
+Online use (the RL engine on idle workers): `collect` turns rollouts into samples, or a
+`HiddenRecorder` as the engine's `on_forward` keeps the hidden states decoding computes anyway
+(no extra forward); a `DrafterBuffer` keeps the newest within a token budget, `train_drafter` runs optimizer steps on it. Batches and noise are drawn from (seed, step),
 so a resumed run repeats exactly what an uninterrupted one does.
 
 Offline use: `reclaim drafter train --config drafter-smollm2` (`train`): the target answers chat
@@ -157,36 +161,58 @@ def collect(target: torch.nn.Module, prompts_ids: Sequence[Sequence[int]],
 
 class HiddenRecorder:
     """An engine `on_forward` hook that keeps each request's hidden states as the engine
-    computes them (no extra forward); a recomputed position (preemption) replaces the old one."""
+    computes them (no extra forward). A recomputed position (preemption) replaces the old one; a
+    prompt prefix the engine shared from another request's cache is filled from that request's
+    recorded states (same tokens, same positions: same states). `drop` a request when done."""
 
     def __init__(self, store: str | torch.device = "cpu") -> None:
         self.store = store
-        self._parts: dict[str, list[tuple[int, torch.Tensor]]] = collections.defaultdict(list)
+        self._parts: dict[str, list[tuple[int, list[int], torch.Tensor]]] = collections.defaultdict(list)
 
     def __call__(self, records: list) -> None:
         for r in records:
-            self._parts[r.request_id].append((r.start, r.hidden.detach().to(self.store, copy=True)))
+            self._parts[r.request_id].append(
+                (r.start, list(r.token_ids), r.hidden.detach().to(self.store, copy=True)))
 
     def drop(self, request_id: str) -> None:
         """Forget a request's states."""
         self._parts.pop(request_id, None)
 
+    def _assemble(self, request_id: str, ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The request's recorded states over `ids` (None if nothing was recorded) and which
+        positions they cover (only where the recorded tokens are `ids`')."""
+        parts = self._parts.get(request_id, [])
+        seen = torch.zeros(len(ids), dtype=torch.bool)
+        if not parts:
+            return None, seen
+        hidden = torch.empty(len(ids), parts[0][2].shape[-1], dtype=parts[0][2].dtype, device=self.store)
+        for start, tokens, h in parts:
+            n = max(0, min(h.shape[0], len(ids) - start))
+            if n and tokens[:n] == ids[start:start + n]:
+                hidden[start:start + n], seen[start:start + n] = h[:n], True
+        return hidden, seen
+
     def sample(self, request_id: str, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> DrafterSample:
         """The request's sample: prompt + response without its last token, which the target
         never ran (it was sampled and the request ended), with the recorded hidden states."""
         ids = list(prompt_ids) + list(response_ids)[:-1]
-        parts = self._parts.pop(request_id, [])
-        if not parts:
+        hidden, seen = self._assemble(request_id, ids)
+        if hidden is None:
             raise ValueError(f"no hidden states were recorded for request {request_id!r}; pass the "
                              "recorder as the engine's on_forward")
-        hidden = torch.empty(len(ids), parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=self.store)
-        seen = torch.zeros(len(ids), dtype=torch.bool)
-        for start, h in parts:
-            n = min(h.shape[0], len(ids) - start)
-            hidden[start:start + n], seen[start:start + n] = h[:n], True
+        shared = int(seen.long().argmax()) if bool(seen.any()) else len(ids)  # a shared prefix is [0, shared)
+        if shared and not bool(seen[:shared].any()):
+            for other in self._parts:
+                if other == request_id:
+                    continue
+                h, s = self._assemble(other, ids[:shared])
+                if h is not None and bool(s.all()):
+                    hidden[:shared], seen[:shared] = h, True
+                    break
         if not bool(seen.all()):
             raise ValueError(f"request {request_id!r}: hidden states of positions "
-                             f"{(~seen).nonzero().flatten().tolist()[:8]} were not recorded")
+                             f"{(~seen).nonzero().flatten().tolist()[:8]} were not recorded (nor "
+                             "by a request it shares a prefix with)")
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[len(prompt_ids):] = True
         return DrafterSample(torch.tensor(ids), hidden, mask)

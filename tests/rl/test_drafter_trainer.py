@@ -94,10 +94,12 @@ def test_batches_respect_sizes_and_depend_only_on_seed_and_step():
 
 
 def test_engine_hidden_states_are_the_targets_forward(target, one_thread):
-    prompts, _ = rollouts(target, 3)
+    prompts, _ = rollouts(target, 4)
+    prompts = [prompts[0] + [5, 6, 7] + p for p in prompts]  # a shared prefix: the engine shares its blocks
     rec = HiddenRecorder()
     engine = Engine(target, None, max_num_seqs=2, max_model_len=64, on_forward=rec, block_size=4)
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    assert engine.stats().get("num_shared_prefix_tokens", 1) > 0
     got = [rec.sample(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs]
     want = collect(target, prompts, [o.token_ids[:-1] for o in outs])
     for a, b in zip(got, want):
@@ -281,3 +283,24 @@ def test_a_trained_drafter_accepts_more_than_two_tokens_per_verify(tmp_path, one
     print(f"held-out tau: engine {tau:.2f}, replay {replay:.2f}, untrained {before:.2f}")
     assert before < 1.3
     assert tau > 2 and replay > 2
+
+
+def test_the_default_drafter_is_trained_once_then_found_in_the_cache(tiny_model_dir, tmp_path, monkeypatch,
+                                                                     one_thread):
+    import reclaim.models.loading as loading
+    import reclaim.rl.drafter_trainer as dt
+
+    monkeypatch.setenv("RECLAIM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "default_model_dir", lambda: tiny_model_dir)
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text("".join(f"{k}: {v}\n" for k, v in {**TINY_RUN, "save_steps": 0}.items()))
+    monkeypatch.setattr(dt, "DEFAULT_DRAFTER_CONFIG", str(tiny))
+    said: list[str] = []
+    path = dt.default_drafter_dir(log=said.append, progress=False)
+    assert path == tmp_path / "cache" / "drafters" / tiny_model_dir.name
+    info = json.loads((path / "train_info.json").read_text())
+    assert info["total_s"] > 0 and info["eval"]["tau"] >= 1 and any("trained in" in s for s in said)
+    target, _ = _load(tiny_model_dir)
+    load_drafter(path, target)
+    said.clear()
+    assert dt.default_drafter_dir(log=said.append) == path and said == []  # found, not trained again
