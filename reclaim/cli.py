@@ -221,6 +221,12 @@ def serve(
     split_special_tokens: bool = typer.Option(False, "--split-special-tokens",
                                               help="Encode special-token text in chat messages (e.g. "
                                                    "'<|im_start|>') as plain text; off by default, as vLLM."),
+    enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage",
+                                                    help="Usage in every stream's last chunk, asked for "
+                                                         "(stream_options.include_usage) or not."),
+    disable_access_log: bool = typer.Option(False, "--disable-access-log",
+                                            help="No access log (one line per request: client, method, "
+                                                 "path, status, milliseconds, response id)."),
     speculative: str = SPEC_OPT,
     num_speculative_tokens: int = SPEC_TOKENS_OPT,
     spec_max_batch: int = SPEC_BATCH_OPT,
@@ -256,7 +262,9 @@ def serve(
                                 served_model_name=served_model_name, engine_args=args,
                                 shutdown_timeout=shutdown_timeout, log_level=log_level,
                                 connections=connections, allowed_origins=origins,
-                                split_special_tokens=split_special_tokens))
+                                split_special_tokens=split_special_tokens,
+                                force_include_usage=enable_force_include_usage,
+                                access_log=not disable_access_log))
 
 
 # ---- ssm: ssm-train (owner: ssm) ----

@@ -22,17 +22,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from reclaim.server.errors import APIError, install_error_handlers, validation_error
+from reclaim.server.errors import APIError, install_error_handlers
 from reclaim.server.metrics import CONTENT_TYPE
-from reclaim.server.plan import Limits, Plan, plan_chat, plan_completion
+from reclaim.server.plan import (Limits, Plan, detokenize_body, plan_chat, plan_completion,
+                                 tokenize_body)
 from reclaim.server.responses import TokenText, collect, stream_body
 from reclaim.server.runner import EngineFailure, EngineRunner, Generation
-from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest
+from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, parse
+from reclaim.server.structured import GrammarCompiler
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{id}", "/health",
+          "/metrics", "/tokenize", "/detokenize", "/version")
 OPEN_ROUTES = ("/health",)  # reachable without the API key
 DRAIN_EXEMPT = ("/metrics",)  # still answered while draining
 # Threads that validate, template and tokenize requests: a few, so a burst of huge bodies
@@ -40,6 +43,7 @@ DRAIN_EXEMPT = ("/metrics",)  # still answered while draining
 PREP_THREADS = min(4, os.cpu_count() or 1)
 
 log = logging.getLogger("reclaim.server")
+access_log = logging.getLogger("reclaim.access")  # one line per request (--disable-access-log)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class ServerState:
 
     api_key: str | None = None
     draining: bool = False
+    access_log: bool = True
 
 
 class Gate:
@@ -60,9 +65,11 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") \
+            else "other"
         status = {"code": 0}
         scope["reclaim.status"] = status  # a stream that ends in an error event sets 500 here
+        start = time.perf_counter()
 
         async def counted_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -82,6 +89,15 @@ class Gate:
         finally:
             if status["code"]:
                 self.metrics.http_requests.inc(1, (route, str(status["code"])))
+            if self.state.access_log:
+                self._log(scope, status["code"], time.perf_counter() - start)
+
+    @staticmethod
+    def _log(scope: dict, code: int, seconds: float) -> None:
+        client = scope.get("client")
+        access_log.info('%s "%s %s" %s %.1fms %s', f"{client[0]}:{client[1]}" if client else "-",
+                        scope["method"], scope["path"], code or "-", seconds * 1000,
+                        scope.get("reclaim.request_id", "-"))
 
     async def _cut(self, path: str, status: dict, scope: dict, receive: Any, send: Any) -> None:
         """uvicorn cancelled a request still running after the shutdown grace (the engine did
@@ -104,6 +120,15 @@ class Gate:
         if self.state.draining and path not in DRAIN_EXEMPT:
             return APIError(503, "the server is shutting down and admits no new requests")
         return None
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("reclaim")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def bearer_token(authorization: bytes) -> bytes:
@@ -147,14 +172,6 @@ async def read_body(request: Request, limit: int) -> bytes:
                  request.url.path)
         raise APIError(499, "the client closed the connection before sending the whole body")
     return b"".join(chunks)
-
-
-def parse(raw: bytes, schema: type[BaseModel]) -> Any:
-    """Validate the JSON body against `schema`; any problem is a 400 naming the field."""
-    try:
-        return schema.model_validate_json(raw, strict=True)
-    except ValidationError as exc:
-        raise validation_error(exc, schema) from None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -203,6 +220,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
     """
     state = state or ServerState()
     names = TokenText(tokenizer)
+    grammars = GrammarCompiler(tokenizer)
     metrics = runner.metrics
     created = int(time.time())
     prep: ThreadPoolExecutor | None = None
@@ -220,7 +238,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
             prep.shutdown(wait=False, cancel_futures=True)
 
     def plan_body(raw: bytes, schema: type[BaseModel], planner: Callable) -> Plan:
-        return planner(parse(raw, schema), tokenizer, limits)  # in a prep thread
+        return planner(parse(raw, schema), tokenizer, limits, grammars)  # in a prep thread
 
     async def prepare(request: Request, schema: type[BaseModel], planner: Callable) -> Plan:
         """Read the body on the loop; validate, template and tokenize it in a prep thread."""
@@ -239,6 +257,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
                            allow_methods=["GET", "POST"], allow_headers=["*"])
 
     async def run(request: Request, plan: Plan):
+        request.scope["reclaim.request_id"] = plan.response_id  # for the access log
         try:
             gen = runner.submit(plan.response_id, plan.prompts, plan.params)
         except ValueError as exc:
@@ -267,13 +286,41 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
     async def completions(request: Request):
         return await run(request, await prepare(request, CompletionRequest, plan_completion))
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "reclaim",
+                "root": limits.model_names[0], "parent": None,
+                "max_model_len": limits.max_model_len,
+                "weights_version": runner.engine.weights_version}
+
     @app.get("/v1/models")
     async def models():
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "reclaim",
-                 "max_model_len": limits.max_model_len,
-                 "weights_version": runner.engine.weights_version}
-                for name in limits.model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in limits.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in limits.model_names:
+            raise APIError(404, f"model {model_id!r} is not served here; available: "
+                           f"{list(limits.model_names)}", param="model", code="model_not_found")
+        return model_card(model_id)
+
+    async def in_prep(fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(prep, fn, *args)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        check_json(request)
+        raw = await read_body(request, limits.max_body_bytes)
+        return await in_prep(tokenize_body, raw, tokenizer, limits)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        check_json(request)
+        raw = await read_body(request, limits.max_body_bytes)
+        return await in_prep(detokenize_body, raw, tokenizer, limits)
+
+    @app.get("/version")
+    async def version():
+        return {"version": package_version()}
 
     @app.get("/health")
     async def health():

@@ -71,6 +71,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _type_tag(part: Any) -> bool:
+    """Whether a location part is pydantic's name of a union member ('str', 'list[int]')
+    rather than a field name or index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list")
+                                      or "[" in part)
+
+
 def validation_error(exc: ValidationError | RequestValidationError,
                      schema: type[BaseModel] | None = None) -> APIError:
     """The first pydantic complaint as a 400 naming the offending field (and, for a number out
@@ -79,9 +86,12 @@ def validation_error(exc: ValidationError | RequestValidationError,
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    cause = (first.get("ctx") or {}).get("error")
+    if getattr(cause, "param", None):  # a model-level check names its field itself
+        return APIError(400, str(cause), param=cause.param)
     extra = f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
     allowed = allowed_range(schema, loc[0]) if schema and len(loc) == 1 and \
         first.get("type") in BOUND_ERRORS else None

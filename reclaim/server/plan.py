@@ -14,7 +14,11 @@ from typing import Any, Literal
 from reclaim.engine.request import SamplingParams
 from reclaim.models.tokenizer import encode_chat, render_chat
 from reclaim.server.errors import APIError
-from reclaim.server.schemas import INT64, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from reclaim.server.schemas import (INT64, ChatCompletionRequest, CompletionRequest,
+                                    DetokenizeRequest, SamplingRequest, TokenizeChatRequest,
+                                    TokenizeCompletionRequest, parse)
+from reclaim.server.structured import Grammar, GrammarCompiler
+from reclaim.server.tools import ToolPlan, plan_tools, template_message, template_tools
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Limits:
     # The vocabulary's longest token in characters: text longer than max_model_len times this is
     # judged too long from a prefix, without tokenizing it all (see _surely_too_long).
     max_token_chars: int = 32
+    force_include_usage: bool = False  # usage in every stream, asked or not (vLLM's option)
 
 
 @dataclass
@@ -49,6 +54,10 @@ class Plan:
     logprobs: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # usage on every chunk (vLLM's continuous_usage_stats)
+    echo: list[str] | None = None  # completions: each choice's prompt text, shown before its reply
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: report k alternatives
+    tools: ToolPlan | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -123,12 +132,20 @@ def _max_tokens(asked: int | None, default: int | None, prompt_len: int, limits:
 
 
 def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_offset: int,
-            limits: Limits) -> SamplingParams:
+            limits: Limits, prompt_logprobs: int | None = None, constraint: Any = None) -> SamplingParams:
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"stop_token_ids has {bad}; allowed: 0 to {limits.vocab_size - 1}",
                        param="stop_token_ids")
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    bad = next((t for t in bias if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias has token id {bad}; allowed: 0 to "
+                       f"{limits.vocab_size - 1}", param="logit_bias")
+    if req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens={req.min_tokens} is more than the {max_tokens} tokens "
+                       f"this request may generate", param="min_tokens")
     seed = req.seed
     if seed is not None and seed_offset:
         # Distinct but reproducible streams for the n choices of one seeded request.
@@ -140,9 +157,13 @@ def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_of
             top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=seed, max_tokens=max_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(stop_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            min_tokens=req.min_tokens, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias or None, prompt_logprobs=prompt_logprobs, constraint=constraint)
     except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+        raise APIError(400, str(exc), param=str(exc).split("=", 1)[0]) from exc
 
 
 def _check_n(req: SamplingRequest, num_prompts: int, limits: Limits) -> None:
@@ -153,18 +174,85 @@ def _check_n(req: SamplingRequest, num_prompts: int, limits: Limits) -> None:
                        f"allowed: at most {limits.max_choices} per request", param="prompt")
 
 
+def _truncate(ids: list[int], req: SamplingRequest) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last N prompt tokens."""
+    n = req.truncate_prompt_tokens
+    return ids[-n:] if n is not None and len(ids) > n else ids
+
+
+def _grammar(req: SamplingRequest, grammars: GrammarCompiler,
+             tools: ToolPlan | None = None) -> Grammar | None:
+    """The one grammar the request's structured-output fields ask for, if any."""
+    asked: list[tuple[str, Any]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", lambda p: grammars.json_object(p)))
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.json_schema
+        asked.append(("response_format.json_schema.schema",
+                      lambda p: grammars.json_schema(schema, p)))
+    so = req.structured_outputs
+    keys = [("guided_json", req.guided_json, grammars.json_schema),
+            ("guided_regex", req.guided_regex, grammars.regex),
+            ("guided_choice", req.guided_choice, grammars.choice),
+            ("guided_grammar", req.guided_grammar, grammars.grammar)]
+    if so is not None:
+        keys += [("structured_outputs.json", so.json_, grammars.json_schema),
+                 ("structured_outputs.regex", so.regex, grammars.regex),
+                 ("structured_outputs.choice", so.choice, grammars.choice),
+                 ("structured_outputs.grammar", so.grammar, grammars.grammar)]
+        if so.json_object:
+            asked.append(("structured_outputs.json_object", lambda p: grammars.json_object(p)))
+    for name, value, compile_ in keys:
+        if value is not None:
+            asked.append((name, lambda p, v=value, c=compile_: c(v, p)))
+    if tools is not None and tools.mode != "auto":
+        asked.append(("tool_choice", lambda p: grammars.json_schema(tools.schema(req), "tools")))
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[0][0]} and {asked[1][0]} both constrain the output; send "
+                       f"one of them", param=asked[1][0])
+    return asked[0][1](asked[0][0]) if asked else None
+
+
 def _expand(kind: Literal["chat", "completion"], prefix: str, req: SamplingRequest,
             prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
-            model: str, limits: Limits) -> Plan:
+            model: str, limits: Limits, grammar: Grammar | None, grammars: GrammarCompiler,
+            prompt_logprobs: int | None = None, **plan: Any) -> Plan:
     choices = [(p, k) for p in range(len(prompts)) for k in range(req.n)]
-    params = [_params(req, max_tokens[p], logprobs, i, limits) for i, (p, _) in enumerate(choices)]
-    return Plan(kind=kind, response_id=new_id(prefix), model=model, created=int(time.time()),
+    params = [_params(req, max_tokens[p], logprobs, i, limits, prompt_logprobs,
+                      grammars.constraint(grammar) if grammar else None)
+              for i, (p, _) in enumerate(choices)]
+    rid = new_id(prefix) if req.request_id is None else f"{prefix}-{req.request_id}"
+    return Plan(kind=kind, response_id=rid, model=model, created=int(time.time()),
                 prompts=[prompts[p] for p, _ in choices], prompt_of_choice=[p for p, _ in choices],
                 params=params, logprobs=logprobs is not None, stream=req.stream,
-                include_usage=req.include_usage_in_stream)
+                include_usage=req.include_usage_in_stream or limits.force_include_usage,
+                continuous_usage=req.continuous_usage,
+                prompt_logprobs=req.prompt_logprobs, **plan)
 
 
-def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "tokenize", "add_generation_prompt",
+                            "continue_final_message", "chat_template", "return_dict")
+
+
+def _template_kwargs(req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = next((k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS), None)
+    if clash is not None:
+        raise APIError(400, f"chat_template_kwargs sets {clash!r}, which the request sets "
+                       f"itself; send it as a top-level field", param="chat_template_kwargs")
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if req.chat_template is not None:
+        kwargs["chat_template"] = req.chat_template
+    tools = template_tools(req)
+    if tools is not None:
+        kwargs["tools"] = tools
+    return kwargs
+
+
+def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits,
+              grammars: GrammarCompiler | None = None) -> Plan:
     """Render the messages with the model's chat template and plan `n` choices."""
     model = _model(req, limits)
     _check_n(req, 1, limits)
@@ -172,40 +260,103 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
         raise APIError(400, f"{len(req.messages)} messages cannot fit in this model's context of "
                        f"{limits.max_model_len} tokens", param="messages",
                        code="context_length_exceeded")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
+    tools = plan_tools(req)
+    messages = [template_message(m) for m in req.messages]
+    kwargs = _template_kwargs(req)
     try:
         if sum(len(m["content"]) for m in messages) > limits.max_model_len:
             # Judge the rendered prompt, not the contents: a template may drop text (Qwen3's
             # drops the reasoning of earlier turns).
-            text = render_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt)
-            _surely_too_long(text, tokenizer, limits, "messages")
+            text = render_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                               **kwargs)
+            if req.truncate_prompt_tokens is None:
+                _surely_too_long(text, tokenizer, limits, "messages")
         ids = encode_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
-                          split_special_tokens=limits.split_special_tokens)
+                          split_special_tokens=limits.split_special_tokens, **kwargs)
     except APIError:
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's
         raise APIError(400, f"the chat template rejected these messages: {exc}",
                        param="messages") from exc
+    ids = _truncate(ids, req)
     _check_prompt(ids, limits, "messages")
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(asked, None, len(ids), limits, name)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _expand("chat", "chatcmpl", req, [ids], [max_tokens], logprobs, model, limits)
+    grammars = grammars or GrammarCompiler(tokenizer)
+    grammar = _grammar(req, grammars, tools)
+    return _expand("chat", "chatcmpl", req, [ids], [max_tokens], logprobs, model, limits,
+                   grammar, grammars, req.prompt_logprobs, tools=tools)
 
 
-def plan_completion(req: CompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
+def plan_completion(req: CompletionRequest, tokenizer: Any, limits: Limits,
+                    grammars: GrammarCompiler | None = None) -> Plan:
     """Tokenize each prompt (or take its ids) and plan `n` choices per prompt."""
     model = _model(req, limits)
     raw = req.prompt_list()
     _check_n(req, len(raw), limits)
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens=0 is allowed only with echo=true (to score the prompt); "
+                       "allowed: 1 or more", param="max_tokens")
+    if req.echo and req.stream and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported with stream=true; send "
+                       "stream=false", param="echo")
     prompts, max_tokens = [], []
     for p in raw:
-        if isinstance(p, str):
+        if isinstance(p, str) and req.truncate_prompt_tokens is None:
             _surely_too_long(p, tokenizer, limits, "prompt")
-        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = tokenizer.encode(p, add_special_tokens=req.add_special_tokens) \
+            if isinstance(p, str) else list(p)
+        ids = _truncate(ids, req)
         _check_prompt(ids, limits, "prompt")
         prompts.append(ids)
         max_tokens.append(_max_tokens(req.max_tokens, 16, len(ids), limits, "max_tokens"))
-    return _expand("completion", "cmpl", req, prompts, max_tokens, req.logprobs, model, limits)
+    # echo with logprobs reports the prompt's logprobs too, with as many alternatives
+    echo_lps = req.logprobs if req.echo else None
+    wanted = [k for k in (echo_lps, req.prompt_logprobs) if k is not None]
+    echo = None
+    if req.echo:
+        texts = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
+                 else tokenizer.decode(ids) for p, ids in zip(raw, prompts)]
+        echo = [texts[p] for p in range(len(prompts)) for _ in range(req.n)]
+    grammars = grammars or GrammarCompiler(tokenizer)
+    grammar = _grammar(req, grammars)
+    return _expand("completion", "cmpl", req, prompts, max_tokens, req.logprobs, model, limits,
+                   grammar, grammars, max(wanted) if wanted else None, echo=echo)
+
+
+def tokenize_body(raw: bytes, tokenizer: Any, limits: Limits) -> dict:
+    """POST /tokenize: a prompt's (or chat's) token ids, as vLLM answers."""
+    chat = b'"messages"' in raw
+    req = parse(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+    if req.model is not None:
+        _model(req, limits)
+    if chat:
+        kwargs = _template_kwargs(req)
+        messages = [template_message(m) for m in req.messages]
+        try:
+            text = render_chat(tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                               **kwargs)
+        except Exception as exc:
+            raise APIError(400, f"the chat template rejected these messages: {exc}",
+                           param="messages") from exc
+    else:
+        text = req.prompt
+    if len(text) > limits.max_body_bytes:
+        raise APIError(400, "the text is too long to tokenize", param="prompt")
+    ids = list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+    return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+def detokenize_body(raw: bytes, tokenizer: Any, limits: Limits) -> dict:
+    """POST /detokenize: the text of token ids, as vLLM answers."""
+    req = parse(raw, DetokenizeRequest)
+    if req.model is not None:
+        _model(req, limits)
+    bad = next((t for t in req.tokens if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range; allowed: 0 to "
+                       f"{limits.vocab_size - 1}", param="tokens")
+    return {"prompt": tokenizer.decode(req.tokens)}

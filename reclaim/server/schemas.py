@@ -1,16 +1,19 @@
 """Request bodies of the OpenAI routes, validated strictly from raw JSON bytes.
 
-Strict mode: a string is not a number and a float is not an int, as in OpenAI's API. Extra
-sampling keys vLLM accepts at the top level (top_k, min_p, stop_token_ids, ignore_eos, ...)
-are fields here; other unknown keys are ignored, except the OpenAI features this server does not
-implement, which are refused rather than silently dropped.
+Strict mode: a string is not a number and a float is not an int, as in OpenAI's API. The extra
+keys vLLM accepts at the top level (top_k, min_p, stop_token_ids, guided_json, ...) are fields
+here. Every other field of OpenAI's and vLLM's requests that this server does not implement is
+in REFUSED: sent with anything but its neutral value, it gets a 400 naming it. Keys neither API
+defines are ignored, as vLLM and OpenAI's SDKs expect.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from reclaim.server.errors import validation_error
 
 INT64 = 2**63  # seeds are signed 64-bit integers
 # Upper bounds of the sampling fields: each fits the engine's int32/float tensors and its own
@@ -21,20 +24,110 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
 
-# key -> its neutral value; any other value asks for a feature this server lacks.
-UNSUPPORTED: dict[str, Any] = {
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
-    "tools": None, "functions": None, "response_format": None, "suffix": None, "echo": False,
-    "best_of": None, "use_beam_search": False, "prompt_logprobs": None,
+# Fields of OpenAI's and vLLM's requests this server does not implement -> their neutral values
+# (sending one of those, or null, is accepted: it asks for nothing).
+REFUSED: dict[str, tuple] = {
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (), "functions": ([],), "function_call": ("none",),
+    "suffix": ("",), "best_of": (1,), "store": (False,), "service_tier": ("auto", "default"),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "allowed_token_ids": (),
+    "bad_words": ([],), "documents": ([],), "mm_processor_kwargs": ({},), "structural_tag": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "priority": (0,),
+    "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": ({},),
+    "prompt_embeds": (), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "image": (), "images": ([],),
 }
-_NEUTRAL_ALSO = {"logit_bias": ({},), "tools": ([],), "functions": ([],),
-                 "response_format": ({"type": "text"},), "best_of": (1,)}
+REFUSED_CHAT_ONLY = {"echo": (False,)}  # vLLM's chat echo (repeat the last message): not here
+
+
+class FieldError(ValueError):
+    """A validation failure about `param` (a body field), raised where pydantic cannot tell
+    which field it is about (a model-level check)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _refuse(extra: dict[str, Any] | None, table: dict[str, tuple]) -> None:
+    for key, value in (extra or {}).items():
+        if key in table and value is not None and value not in table[key]:
+            neutral = " or send " + " / ".join(_json(v) for v in table[key]) if table[key] else ""
+            raise FieldError(key, f"{key} is not supported by this server; omit it{neutral}")
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.json_schema is None):
+            raise FieldError("response_format.json_schema",
+                             "type 'json_schema' needs json_schema.schema, the JSON schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (the newer form of the guided_* keys): one of these."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class SamplingRequest(BaseModel):
@@ -54,19 +147,30 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    # Structured output (see structured.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> "SamplingRequest":
-        for key, value in (self.model_extra or {}).items():
-            if key in UNSUPPORTED and value is not None and value != UNSUPPORTED[key] \
-                    and value not in _NEUTRAL_ALSO.get(key, ()):
-                raise ValueError(f"{key}={value!r} is not supported by this server; "
-                                 f"omit it or send {UNSUPPORTED[key]!r}")
+        _refuse(self.model_extra, REFUSED)
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options", "stream_options is only allowed with stream=true")
         return self
 
     @field_validator("stop")
@@ -81,9 +185,25 @@ class SamplingRequest(BaseModel):
                              f"{MAX_STOP_CHARS}")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"key {key[:20]!r} is not a token id; keys are token ids as "
+                                 f"strings, e.g. \"50256\"")
+            if not -100 <= value <= 100:
+                raise ValueError(f"token {key} has bias {value}; allowed: -100 to 100")
+        return bias
+
     @property
     def include_usage_in_stream(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and (self.stream_options.include_usage
+                                                    or self.stream_options.continuous_usage_stats)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class TextPart(BaseModel):
@@ -92,11 +212,46 @@ class TextPart(BaseModel):
     text: str
 
 
+# Content part types -> what they are, for the refusal.
+MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
+               "image_pil": "image", "input_audio": "audio", "audio_url": "audio",
+               "audio": "audio", "video_url": "video", "video": "video", "file": "file",
+               "input_file": "file"}
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result answers this call
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PARTS:
+                    raise ValueError(f"part {i} is of type {kind!r}: {MEDIA_PARTS[kind]} inputs "
+                                     f"are not supported by this server; send text parts")
+                if kind != "text":
+                    raise ValueError(f"part {i} has type {str(kind)[:30]!r}; allowed: 'text'")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -112,11 +267,21 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = Field(None, max_length=64 << 10)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _logprobs(self) -> "ChatCompletionRequest":
+    def _chat(self) -> "ChatCompletionRequest":
+        _refuse(self.model_extra, REFUSED_CHAT_ONLY)
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message",
+                             "continue_final_message=true needs add_generation_prompt=false")
         return self
 
 
@@ -124,12 +289,15 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions; `prompt` is text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt is an empty list; send text or at least one token id")
+            raise FieldError("prompt", "prompt is an empty list; send text or at least one token id")
         return self
 
     def prompt_list(self) -> list[str | list[int]]:
@@ -140,3 +308,45 @@ class CompletionRequest(SamplingRequest):
         if isinstance(p[0], int):
             return [p]
         return list(p)
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with chat messages, rendered with the chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = Field(None, max_length=64 << 10)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(raw: bytes, schema: type[BaseModel]) -> Any:
+    """Validate a JSON body against `schema`; any problem is a 400 naming the field."""
+    try:
+        return schema.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise validation_error(exc, schema) from None

@@ -47,8 +47,13 @@ class EngineArgs:
 
 def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_args: EngineArgs,
               *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20,
-              split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = ()):
-    """The FastAPI app serving `model`; returns (app, runner, state)."""
+              split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = (),
+              force_include_usage: bool = False, access_log: bool = True):
+    """The FastAPI app serving `model`; returns (app, runner, state).
+
+    force_include_usage: usage in every stream, asked for or not; access_log: one INFO line per
+    request on the `reclaim.access` logger.
+    """
     from reclaim.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine
 
     if tokenizer is None:
@@ -63,8 +68,9 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_a
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
                     vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes,
                     split_special_tokens=split_special_tokens,
-                    max_token_chars=max_token_chars(tokenizer))
-    state = ServerState(api_key=api_key)
+                    max_token_chars=max_token_chars(tokenizer),
+                    force_include_usage=force_include_usage)
+    state = ServerState(api_key=api_key, access_log=access_log)
     app = create_app(runner, tokenizer, limits, state, allowed_origins=allowed_origins)
     return app, runner, state
 
@@ -141,7 +147,8 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
           engine_args: EngineArgs | None = None, shutdown_timeout: float = 30.0,
           log_level: str = "info", connections: ConnectionLimits | None = None,
-          allowed_origins: tuple[str, ...] = (), split_special_tokens: bool = False) -> int:
+          allowed_origins: tuple[str, ...] = (), split_special_tokens: bool = False,
+          force_include_usage: bool = False, access_log: bool = True) -> int:
     """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT."""
     from reclaim.models.loading import load_model, resolve_model_dir
 
@@ -155,7 +162,8 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
         names += ("default",)
     app, runner, state = build_app(weights, tokenizer, names, engine_args or EngineArgs(),
                                    api_key=api_key, allowed_origins=allowed_origins,
-                                   split_special_tokens=split_special_tokens)
+                                   split_special_tokens=split_special_tokens,
+                                   force_include_usage=force_include_usage, access_log=access_log)
     connections = connections or ConnectionLimits()
     raise_file_limit(connections)
     config = uvicorn_config(app, connections, runner.metrics, host=host, port=port,

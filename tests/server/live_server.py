@@ -14,8 +14,14 @@ from reclaim.server.connections import ConnectionLimits
 from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
 
 MODEL_NAME = "tiny-llama"
+# ChatML; with tools, a Hermes/Qwen-style tool list and `<tool_call>` turns (as Qwen2.5's).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CORPUS = [

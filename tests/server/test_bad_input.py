@@ -38,9 +38,9 @@ CASES = {
     "bad role": (CHAT, body(messages=[{"role": "wizard", "content": "hi"}]), 400,
                  "messages.0.role"),
     "image part": (CHAT, body(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages.0.content"),
     "unknown model": (CHAT, body(model="gpt-9", messages=MSG), 404, "model"),
-    "max_tokens zero": (COMPLETIONS, body(prompt="a", max_tokens=0), 400, "max_tokens"),
+    "max_tokens zero": (CHAT, body(messages=MSG, max_tokens=0), 400, "max_tokens"),
     "max_tokens negative": (CHAT, body(messages=MSG, max_tokens=-3), 400, "max_tokens"),
     "max_tokens over context": (COMPLETIONS, body(prompt="a", max_tokens=10_000), 400,
                                 "max_tokens"),
@@ -59,15 +59,47 @@ CASES = {
     "top_p above one": (CHAT, body(messages=MSG, top_p=1.5), 400, "top_p"),
     "min_p above one": (CHAT, body(messages=MSG, min_p=2.0), 400, "min_p"),
     "logprobs over 20": (COMPLETIONS, body(prompt="a", logprobs=21), 400, "logprobs"),
-    "top_logprobs alone": (CHAT, body(messages=MSG, top_logprobs=2), 400, None),
+    "top_logprobs alone": (CHAT, body(messages=MSG, top_logprobs=2), 400, "top_logprobs"),
     "stream_options without stream": (CHAT, body(messages=MSG, stream_options={
-        "include_usage": True}), 400, None),
+        "include_usage": True}), 400, "stream_options"),
     "empty stop string": (COMPLETIONS, body(prompt="a", stop=[""]), 400, None),
     "huge seed": (COMPLETIONS, body(prompt="a", seed=2**70), 400, "seed"),
     "stop token out of vocab": (COMPLETIONS, body(prompt="a", stop_token_ids=[10**6]), 400,
                                 "stop_token_ids"),
-    "unsupported penalty": (CHAT, body(messages=MSG, presence_penalty=0.5), 400, None),
-    "unsupported tools": (CHAT, body(messages=MSG, tools=[{"type": "function"}]), 400, None),
+    "penalty out of range": (CHAT, body(messages=MSG, presence_penalty=2.5), 400,
+                             "presence_penalty"),
+    "unsupported beam search": (CHAT, body(messages=MSG, use_beam_search=True), 400,
+                                "use_beam_search"),
+    "tool without function": (CHAT, body(messages=MSG, tools=[{"type": "function"}]), 400,
+                              "tools.0.function"),
+    "logit_bias key not an id": (CHAT, body(messages=MSG, logit_bias={"x": 1}), 400,
+                                 "logit_bias"),
+    "logit_bias id out of vocab": (CHAT, body(messages=MSG, logit_bias={"100000": 1}), 400,
+                                   "logit_bias"),
+    "min_tokens over max_tokens": (COMPLETIONS, body(prompt="a", max_tokens=2, min_tokens=5),
+                                   400, "min_tokens"),
+    "max_tokens zero without echo": (COMPLETIONS, body(prompt="a", max_tokens=0), 400,
+                                     "max_tokens"),
+    "two structured outputs": (CHAT, body(messages=MSG, guided_regex="a+",
+                                          guided_choice=["a"]), 400, "guided_choice"),
+    "bad regex": (CHAT, body(messages=MSG, guided_regex="(a"), 400, "guided_regex"),
+    "bad json schema": (CHAT, body(messages=MSG, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}), 400,
+        "response_format.json_schema.schema"),
+    "json_schema without schema": (CHAT, body(messages=MSG, response_format={
+        "type": "json_schema"}), 400, "response_format.json_schema"),
+    "unknown response_format type": (CHAT, body(messages=MSG, response_format={
+        "type": "yaml"}), 400, "response_format.type"),
+    "tool_choice names unknown tool": (CHAT, body(messages=MSG, tools=[
+        {"type": "function", "function": {"name": "f"}}], tool_choice={
+        "type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    "tool_choice required without tools": (CHAT, body(messages=MSG, tool_choice="required"),
+                                           400, "tool_choice"),
+    "template kwargs clash": (CHAT, body(messages=MSG, chat_template_kwargs={"tools": []}),
+                              400, "chat_template_kwargs"),
+    "audio part": (CHAT, body(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]}]), 400,
+        "messages.0.content"),
     "body over size limit": (COMPLETIONS, body(prompt="a" * (100 << 10)), 413, None),
     # Upper bounds: nothing a client sends may overflow inside the engine step.
     "top_k 2**63": (CHAT, body(messages=MSG, top_k=2**63), 400, "top_k"),
@@ -122,6 +154,32 @@ def test_no_pydantic_prefix_in_messages(http):
     assert "Value error" not in err["message"] and "1 to 1024" in err["message"]
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_error_messages_are_sentences(http, name):
+    """No pydantic prefix, no Python repr of a rejected value (schemas, tool lists)."""
+    route, raw, status, _ = CASES[name]
+    message = http.post(route, content=raw, headers=JSON).json()["error"]["message"]
+    assert "Value error" not in message and "{'" not in message and "[{" not in message
+    assert ".str" not in message and "list[" not in message  # pydantic's union member names
+
+
+def test_image_part_is_named_as_such(http):
+    err = check_error(http.post(CHAT, json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400,
+        "messages.0.content")
+    assert "image inputs are not supported" in err["message"] and "part 1" in err["message"]
+
+
+@pytest.mark.parametrize("key,value", [("use_beam_search", True), ("suffix", "x"),
+                                       ("best_of", 3), ("audio", {"voice": "x"}),
+                                       ("functions", [{"name": "f"}]), ("priority", 2)])
+def test_unsupported_field_refused_by_name(http, key, value):
+    err = check_error(http.post(COMPLETIONS, json={"prompt": "a", key: value}), 400, key)
+    assert err["message"].startswith(f"{key} is not supported by this server")
+    assert repr(value) not in err["message"]
+
+
 def test_huge_top_k_fails_alone(server, http):
     """Ten streams beside a 2**63 top_k request all complete, equal to running alone."""
     req = {"prompt": "Hello", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -136,7 +194,8 @@ def test_huge_top_k_fails_alone(server, http):
 def test_neutral_values_of_unsupported_keys_are_accepted(http):
     r = http.post(COMPLETIONS, json={
         "prompt": "a", "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0,
-        "logit_bias": {}, "tools": [], "echo": False, "best_of": 1, "user": "u1", "unknown": 3})
+        "logit_bias": {}, "echo": False, "best_of": 1, "user": "u1", "unknown": 3,
+        "use_beam_search": False, "suffix": None, "store": False, "skip_special_tokens": True})
     assert r.status_code == 200, r.text
 
 

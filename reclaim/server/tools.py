@@ -1,0 +1,171 @@
+"""Tool calling: what a request's tool_choice asks of the output, and tool calls parsed from text.
+
+Formats read from a model's text (tool_choice "auto"): Hermes/Qwen blocks
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one or more), and a reply that is
+only a JSON object `{"name": ..., "arguments"|"parameters": {...}}` or a list of them (Llama 3
+style). With tool_choice "required" the output is constrained to a JSON list of such objects,
+and with a named function to that function's arguments, so the call always parses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from reclaim.server.errors import APIError
+from reclaim.server.schemas import ChatCompletionRequest, NamedToolChoice
+
+FORMATS = ("hermes", "json")  # what "auto" parses
+HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+OPEN_TAG = "<tool_call>"
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def body(self, index: int | None = None) -> dict:
+        """OpenAI's `tool_calls[i]` (with `index` in a stream delta)."""
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's output relates to its tools."""
+
+    mode: Literal["auto", "required", "named"]
+    names: tuple[str, ...]
+    named: str | None = None  # the function tool_choice names
+
+    def schema(self, request: ChatCompletionRequest) -> dict | None:
+        """The JSON schema the output is constrained to (None for 'auto': free text)."""
+        params = {t.function.name: t.function.parameters or ANY_OBJECT for t in request.tools or []}
+        if self.mode == "named":
+            return params[self.named]
+        if self.mode == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                       "arguments": params[name]},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for name in self.names]
+            item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+            array = {"type": "array", "items": item, "minItems": 1}
+            if not request.parallel_tool_calls:
+                array["maxItems"] = 1
+            return array
+        return None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished output."""
+        if self.mode == "named":
+            return None, [ToolCall(self.named, _arguments(text))]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return text, []  # cut short by max_tokens or a stop string
+            return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+                          for c in items]
+        return parse_tool_calls(text, self.names)
+
+
+def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
+    """What tool_choice asks; None when no tool may be called."""
+    tools = req.tools or []
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    names = tuple(t.function.name for t in tools)
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise APIError(400, f"two tools are named {dup!r}; tool names must be unique", param="tools")
+    if choice == "none":
+        return None
+    if not tools:
+        raise APIError(400, f"tool_choice asks for a tool call but no tools are given; send "
+                       f"tools, or tool_choice 'none'", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is "
+                           f"not among the tools; allowed: {list(names)}", param="tool_choice")
+        return ToolPlan("named", names, choice.function.name)
+    return ToolPlan(choice, names)
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools as chat templates take them (OpenAI's JSON schema form)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
+            for t in req.tools]
+
+
+def _arguments(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except json.JSONDecodeError:
+        return text  # cut short: OpenAI passes the text on, the client's parser decides
+
+
+def _call(obj: Any, names: tuple[str, ...]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        return ToolCall(obj["name"], _arguments(args))
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ToolCall]]:
+    """Tool calls in a model's free text (FORMATS), and the content left beside them."""
+    if OPEN_TAG in text:
+        calls = []
+        for block in HERMES.findall(text):
+            try:
+                call = _call(json.loads(block), names)
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return text, []  # a malformed call is shown as text, not half-parsed
+            calls.append(call)
+        content = text[:text.index(OPEN_TAG)].strip()
+        return content or None, calls
+    stripped = text.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            obj = json.loads(stripped)
+        except json.JSONDecodeError:
+            return text, []
+        items = obj if isinstance(obj, list) else [obj]
+        calls = [_call(o, names) for o in items]
+        if items and all(calls):
+            return None, calls
+    return text, []
+
+
+def template_message(m: Any) -> dict:
+    """A request message as chat templates take it (tool calls' arguments as objects)."""
+    msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        msg["name"] = m.name
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            args = c.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise APIError(400, f"an earlier tool call to {c.function.name!r} has "
+                                   f"arguments that are not JSON", param="messages") from None
+            calls.append({"id": c.id, "type": "function",
+                          "function": {"name": c.function.name, "arguments": args}})
+        msg["tool_calls"] = calls
+    return msg
