@@ -96,6 +96,8 @@ class PromptRecord:
     saved_bytes: int = 0  # activations autograd saved (parameters excluded), distinct storages
     kv_bytes: int = 0  # the K/V and the last hidden state
     where: str = "device"  # or "host" after offload()
+    selective: bool = False  # kept only matmul/attention outputs (see record_prompt)
+    weight_versions: tuple[int, ...] = ()  # the parameters' in-place versions when recorded
     reloads: list[int] = field(default_factory=list)  # layers brought back, in order (shared
     # tensors left out)
 
@@ -111,6 +113,9 @@ class PromptRecord:
     def offload(self, host: str | torch.device = "cpu") -> None:
         """Move everything to host memory, layer by layer in forward order; the backward brings
         each saved tensor back when its node runs (backward order), K/V when the forward reads them."""
+        if self.selective:
+            raise ValueError(f"record {self.response_id!r} is selective: its kept tensors live in "
+                             "torch's checkpoint cache and cannot be offloaded yet")
         host = torch.device(host)
         for s in self.saved:
             s.offload(host)
@@ -140,40 +145,93 @@ class PromptRecord:
 
 
 def record_prompt(model: torch.nn.Module, prompt_ids: Sequence[int], *, response_id: str,
-                  version: int, prefix_grad: bool = True) -> PromptRecord:
+                  version: int, prefix_grad: bool = True, selective: bool = False) -> PromptRecord:
     """Run the prompt's forward and keep what a later training step needs.
 
     prefix_grad=True (exact): with autograd, graph kept, every saved tensor captured per layer.
+    selective=True (exact, about half the bytes): keep only the outputs of the matrix products and
+    attention; the backward recomputes the elementwise work in between (Megatron's selective
+    recomputation, through torch's selective activation checkpointing). Not offloadable yet.
     prefix_grad=False: under no_grad; only K/V and the last hidden state, so the gradient stops
     at the prompt (cheaper, not exact).
     """
     if len(prompt_ids) == 0:
         raise ValueError(f"response {response_id!r}: cannot record an empty prompt")
-    device = next(model.parameters()).device
-    if prefix_grad and not any(p.requires_grad for p in model.parameters()):
+    params = list(model.parameters())
+    device = params[0].device
+    if prefix_grad and not any(p.requires_grad for p in params):
         raise ValueError("prefix_grad=True needs parameters that require grad; the model has none")
     ids = torch.tensor([list(prompt_ids)], device=device)
-    cache = DenseCache(model.config.sliding_window)
+    window = model.config.sliding_window
+
+    def forward(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cache = DenseCache(window)
+        out = model(ids, cache=cache, return_hidden=True, compute_logits=False)
+        n = len(cache.keys)
+        # clone: a slice would keep the whole [1, P, H] hidden state alive
+        return (out.hidden[:, -1:].clone(), *(cache.keys[i] for i in range(n)),
+                *(cache.values[i] for i in range(n)))
+
     rec = PromptRecord(response_id, list(prompt_ids), version, [], [], torch.empty(0),
-                       torch.empty(0), prefix_grad, device)
-    if prefix_grad:
-        with torch.enable_grad(), _capture(model, rec):
-            out = model(ids, cache=cache, return_hidden=True, compute_logits=False)
-    else:
+                       torch.empty(0), prefix_grad, device, selective=prefix_grad and selective,
+                       weight_versions=tuple(p._version for p in params))
+    held: list[torch.Tensor] = []
+    if not prefix_grad:
         with torch.no_grad():
-            out = model(ids, cache=cache, return_hidden=True, compute_logits=False)
-    # clone: a slice would keep the whole [1, P, H] hidden state alive
-    rec.last_hidden = out.hidden[:, -1:].clone()
+            outs = forward(ids)
+    elif selective:
+        outs, held = _selective(forward, ids)
+    else:
+        with torch.enable_grad(), _capture(model, rec):
+            outs = forward(ids)
+        held = [s.tensor for s in rec.saved]
+    n = (len(outs) - 1) // 2
+    rec.last_hidden, rec.keys, rec.values = outs[0], list(outs[1:1 + n]), list(outs[1 + n:])
     with torch.no_grad():
         rec.last_logits = model.lm_head(rec.last_hidden).float()[0, 0]
-    layers = len(cache.keys)
-    rec.keys = [cache.keys[i] for i in range(layers)]
-    rec.values = [cache.values[i] for i in range(layers)]
     kv = rec.keys + rec.values + [rec.last_hidden]
     rec.kv_bytes = unique_bytes(kv)
-    held = [s.tensor for s in rec.saved]
     rec.saved_bytes = unique_bytes(held + kv) - rec.kv_bytes
     return rec
+
+
+def _kept_ops() -> set:
+    """Matrix products and fused attention: what a selective record keeps the outputs of."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default} | {
+        getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def _selective(forward, ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """`forward(ids)` under selective activation checkpointing; its outputs and the tensors kept."""
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    kept_ops = _kept_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    made = []
+
+    def context():
+        made.append(create_selective_checkpoint_contexts(policy))
+        return made[-1]
+
+    with torch.enable_grad():
+        outs = checkpoint(forward, ids, use_reentrant=False, context_fn=context)
+    # torch keeps the saved outputs in the caching mode's storage ({op: {i: wrapper or tuple}});
+    # read it to count the record's bytes (a private layout: a torch upgrade shows up in the tests)
+    kept = []
+    for per_op in made[0][0].storage.values():
+        for v in per_op.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                x = getattr(x, "val", x)
+                if isinstance(x, torch.Tensor):
+                    kept.append(x)
+    return outs, kept
 
 
 class _capture:
@@ -287,6 +345,13 @@ def reuse_loss(model: torch.nn.Module, records: Sequence[PromptRecord],
     for r, resp in zip(records, responses):
         if len(resp) == 0:
             raise ValueError(f"response {r.response_id!r} is empty; nothing to train on")
+    params = list(model.parameters())
+    for r in records:
+        if r.exact and r.weight_versions != tuple(p._version for p in params):
+            raise RuntimeError(
+                f"record {r.response_id!r} was made before the weights were modified in place (an "
+                "optimizer step): a record is exact only for the weights version that made it; "
+                "use record.detached() for an inexact step")
     device = records[0].device
     first = torch.tensor([resp[0] for resp in responses], device=device)
     h = torch.cat([r.hidden() for r in records])  # [B, 1, H]

@@ -75,7 +75,7 @@ class RecordStore:
 
     def _to_host(self, rec: PromptRecord) -> bool:
         """Offload `rec`, evicting the oldest host records for room; False if it cannot fit."""
-        if rec.nbytes > self.host_budget:
+        if rec.nbytes > self.host_budget or rec.selective:  # selective records stay on device
             return False
         for rid in [r for r, x in self.records.items() if x.where == "host"]:
             if self.host_bytes + rec.nbytes <= self.host_budget:

@@ -61,6 +61,8 @@ class OnlineTrainConfig:
     record_budget: str = "1GB"  # records kept on the device
     record_host_budget: str = "4GB"  # records offloaded to host memory
     prefix_grad: bool = True  # False: records stop gradients at the prompt (cheaper, not exact)
+    # True: records keep only matmul/attention outputs (~half the bytes, exact; not offloadable)
+    selective_recompute: bool = False
     max_staleness: int = 0  # weights versions a record may lag; 0: only exact reuse
     cost_model: str = "measure"  # measure (at start-up) | reuse | recompute (always)
     seed: int = 42

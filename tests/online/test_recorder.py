@@ -20,9 +20,10 @@ def baseline_grad(model, prompts, responses):
     return loss.detach() / n, grads(model).clone()
 
 
-def reuse_grad(model, prompts, responses, *, offload=False, prefix_grad=True):
+def reuse_grad(model, prompts, responses, *, offload=False, prefix_grad=True, selective=False):
     model.zero_grad(set_to_none=True)
-    records = [record_prompt(model, p, response_id=f"r{i}", version=0, prefix_grad=prefix_grad)
+    records = [record_prompt(model, p, response_id=f"r{i}", version=0, prefix_grad=prefix_grad,
+                             selective=selective)
                for i, p in enumerate(prompts)]
     if offload:
         for r in records:
@@ -32,15 +33,16 @@ def reuse_grad(model, prompts, responses, *, offload=False, prefix_grad=True):
     return loss.detach() / n, grads(model).clone(), records
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("mode", ["device", "offload", "selective"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_reuse_gradient_equals_recompute(family, shape, offload):
+def test_reuse_gradient_equals_recompute(family, shape, mode):
     model = tiny_model(family)
     plens, rlens = SHAPES[shape]
     prompts, responses = token_lists(plens, seed=1), token_lists(rlens, seed=2)
     want_loss, want = baseline_grad(model, prompts, responses)
-    loss, got, _ = reuse_grad(model, prompts, responses, offload=offload)
+    loss, got, _ = reuse_grad(model, prompts, responses, offload=mode == "offload",
+                              selective=mode == "selective")
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     assert rel_err(got, want) <= TOL
 
@@ -97,6 +99,19 @@ def test_record_bytes_are_what_autograd_saves(record_property):
     del out
 
 
+def test_selective_record_keeps_about_half_the_bytes(record_property):
+    model = tiny_model("qwen3")
+    prompt = token_lists([24])[0]
+    full = record_prompt(model, prompt, response_id="r", version=0)
+    half = record_prompt(model, prompt, response_id="r", version=0, selective=True)
+    ratio = half.nbytes / full.nbytes
+    record_property("selective_over_full_bytes", ratio)
+    print(f"selective record: {ratio:.2f} of the full record's bytes")
+    assert half.kv_bytes == full.kv_bytes and 0.3 < ratio < 0.6
+    with pytest.raises(ValueError, match="'r' is selective"):
+        half.offload()
+
+
 def test_offload_moves_forward_order_and_reloads_backward_order():
     model = tiny_model("llama", num_hidden_layers=4)
     prompts, responses = token_lists([10]), token_lists([5], seed=2)
@@ -109,8 +124,8 @@ def test_offload_moves_forward_order_and_reloads_backward_order():
 
 
 def test_a_record_from_older_weights_is_refused_by_autograd():
-    """An optimizer step changes the weights in place; the old graph refuses to give a gradient
-    (saved-tensor hooks turn off autograd's own check, so the recorder keeps one)."""
+    """An optimizer step changes the weights in place; an old record is refused before use, and
+    its graph refuses a backward (saved-tensor hooks turn off autograd's own check)."""
     model = tiny_model("llama")
     prompts, responses = token_lists([6]), token_lists([4], seed=2)
     rec = record_prompt(model, prompts[0], response_id="r", version=0)
@@ -118,6 +133,9 @@ def test_a_record_from_older_weights_is_refused_by_autograd():
         model.lm_head.weight.add_(0.01)  # what AdamW.step does, in place
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.add_(0.01)
+    with pytest.raises(RuntimeError, match="'r' was made before the weights were modified"):
+        reuse_loss(model, [rec], responses)
+    rec.weight_versions = tuple(p._version for p in model.parameters())  # fool the first check
     loss, n = reuse_loss(model, [rec], responses)
     with pytest.raises(RuntimeError, match="weights were modified in place"):
         loss.backward()
