@@ -442,5 +442,35 @@ def bench_spec(
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
 
 
+# ---- rl: grpo (owner: rl) ----
+
+@app.command("grpo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def grpo(
+    ctx: typer.Context,
+    config: str = typer.Option(None, "--config", help="YAML file of GRPOConfig fields (TRL's names), or a "
+                               "bundled config: grpo-smollm2, grpo-tiny."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
+) -> None:
+    """Train a policy with GRPO on procedural reasoning tasks, rollouts on reclaim's engine. Any
+    config field can be overridden as `--field value` (e.g. --max_steps 20 --beta 0.04)."""
+    from reclaim.config import load_config
+    from reclaim.rl.grpo import GRPOConfig, train
+    from reclaim.rl.rewards import RewardError
+
+    args = list(ctx.args) + (["--resume_from_checkpoint", "true"] if resume else [])
+    try:
+        cfg = load_config(GRPOConfig, config, args)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    try:
+        summary = train(cfg, log=typer.echo)
+    except RewardError as e:
+        typer.echo(f"Error: {e}", err=True)
+        raise typer.Exit(1) from e
+    last = summary["last"] or {}
+    typer.echo(f"step {summary['steps']}: reward {last.get('reward', float('nan')):.3f}, "
+               f"step time {last.get('step_time', float('nan')):.1f} s; log {cfg.output_dir}/log.jsonl")
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,594 @@
+"""GRPO (Group Relative Policy Optimization) with TRL's config names and loss, rollouts on reclaim's engine.
+
+One RL step, as TRL's GRPOTrainer runs it on one process (steps_per_generation =
+gradient_accumulation_steps, its default):
+
+1. Rollout: per_device_train_batch_size * gradient_accumulation_steps / num_generations prompts,
+   each added to the engine num_generations times with a seed drawn from (seed, step, index), so
+   a run (and a resumed one) samples the same completions.
+2. Rewards from each reward function (TRL's signature, see rewards.py), summed with
+   reward_weights; advantages are the rewards minus their group mean, divided by the group's std
+   (scale_rewards "group"), the batch's ("batch") or not at all ("none").
+3. Old-policy log-probs when num_iterations > 1 (the batch is then trained on num_iterations
+   times), reference log-probs when beta > 0 (the starting model, frozen).
+4. gradient_accumulation_steps micro-batches of per_device_train_batch_size completions: the
+   policy's log-probs of the completion tokens (a training forward with logits only at the
+   completion positions, divided by temperature), the clipped ratio loss with epsilon and
+   epsilon_high, plus beta * k3 KL, normalised per loss_type as TRL does; then one optimizer step.
+5. The new weights go into the engine (`update_weights`: version bumped; the next rollout starts
+   from them, no K/V of old weights reused).
+
+`reclaim grpo --config grpo-smollm2` runs it with a progress bar, output_dir/log.jsonl,
+checkpoint-{step}/ directories (HF layout + optimizer, scheduler, RNG, trainer_state.json) and
+--resume.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from reclaim.rl.rewards import load_reward, score
+from reclaim.schedule import SCHEDULES, lr_scheduler
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+CHECKPOINT_PREFIX = "checkpoint-"
+ALL_TASKS = "all"
+DEFAULT_TEMPLATE = "{question}\nGive the final answer in <answer></answer> tags."
+
+
+@dataclass
+class GRPOConfig:
+    """`reclaim grpo`: TRL's GRPOConfig names and meanings (one process; steps_per_generation is
+    gradient_accumulation_steps). Load one with `load_config(GRPOConfig, path_or_name, overrides)`."""
+
+    output_dir: str = "runs/grpo"
+    model: str | None = None  # HF directory; None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    device: str = "cpu"
+    # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
+    task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, or "all"
+    dataset: str | None = None  # JSON lines {"prompt": str | messages, "answer": ..., ...}; replaces task
+    num_prompts: int = 512  # distinct training prompts drawn from the task(s)
+    system_prompt: str | None = None
+    prompt_template: str = DEFAULT_TEMPLATE  # the user message; {question} is the task's question
+    max_prompt_length: int | None = 512  # longer prompts keep their last tokens (TRL < 1.0's rule)
+    # Generation.
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_num_seqs: int = 64  # sequences the engine decodes at once
+    # Rewards.
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy", "format"])
+    reward_weights: list[float] | None = None  # None: 1.0 each
+    scale_rewards: str | bool = "group"  # group | batch | none (True = group, False = none)
+    mask_truncated_completions: bool = False
+    # Loss.
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default)
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon
+    num_iterations: int = 1
+    # Optimisation (transformers' TrainingArguments names; AdamW).
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0  # > 0 wins over warmup_ratio, as in transformers
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    per_device_train_batch_size: int = 8  # completions per micro-batch
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    max_steps: int = 100
+    seed: int = 42
+    logging_steps: int = 1
+    save_steps: int = 500  # 0: only at the end
+    save_total_limit: int | None = None
+    resume_from_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        choices = [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("lr_scheduler_type", SCHEDULES),
+                   ("dtype", ("float32", "bfloat16", "float16"))]
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
+        for name in ("num_prompts", "max_completion_length", "max_num_seqs", "num_iterations",
+                     "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("beta", "epsilon", "learning_rate", "weight_decay", "save_steps", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (advantages compare completions of a prompt), "
+                             f"got {self.num_generations}")
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} "
+                             f"completions per step must be a multiple of num_generations={self.num_generations}")
+        if not 0 < self.temperature <= 100 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need 0 < temperature <= 100 and 0 < top_p <= 1; got {self.temperature}, {self.top_p}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs is empty; name at least one (built-in: accuracy, format)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs "
+                             f"{self.reward_funcs}; give one weight per function")
+        if self.dataset is None:
+            task_names(self.task)  # an unknown task is refused now, not after the model loads
+        elif not Path(self.dataset).expanduser().is_file():
+            raise ValueError(f"dataset {self.dataset!r} is not a file (JSON lines with 'prompt' and 'answer')")
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"prompt_template {self.prompt_template!r} must contain {{question}}")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions per rollout (TRL: per_device_train_batch_size * steps_per_generation)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def upper_epsilon(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """transformers' rule: warmup_steps if set, else ceil(warmup_ratio * max_steps)."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+def task_names(task: str) -> list[str]:
+    """The task families `task` names ("all", one, or several comma-separated); unknown ones refused."""
+    from reclaim.data.tasks import TASK_FAMILIES
+
+    names = list(TASK_FAMILIES) if task == ALL_TASKS else [t.strip() for t in task.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TASK_FAMILIES]
+    if unknown or not names:
+        raise ValueError(f"unknown task {unknown or task!r}; allowed: {sorted(TASK_FAMILIES)} (comma-separated) "
+                         f"or {ALL_TASKS!r}")
+    return names
+
+
+def build_dataset(cfg: GRPOConfig) -> list[dict[str, Any]]:
+    """Rows {"prompt": messages, "answer", "task", "question", ...}: cfg.num_prompts distinct tasks
+    (families in turn, drawn from cfg.seed), or the rows of cfg.dataset."""
+    if cfg.dataset is not None:
+        rows = []
+        for n, line in enumerate(Path(cfg.dataset).expanduser().read_text().splitlines(), 1):
+            if line.strip():
+                row = json.loads(line)
+                if not isinstance(row, dict) or "prompt" not in row:
+                    raise ValueError(f"{cfg.dataset}:{n}: each line is a JSON object with a 'prompt'")
+                if isinstance(row["prompt"], str):
+                    row = {**row, "question": row["prompt"], "prompt": _messages(cfg, row["prompt"])}
+                rows.append(row)
+        if not rows:
+            raise ValueError(f"dataset {cfg.dataset!r} has no rows")
+        return rows
+    from reclaim.data.tasks import TASK_FAMILIES
+
+    r = random.Random(cfg.seed)
+    families = task_names(cfg.task)
+    rows, seen = [], set()
+    for i in range(100 * cfg.num_prompts):
+        if len(rows) == cfg.num_prompts:
+            break
+        t = TASK_FAMILIES[families[i % len(families)]](r)
+        if t.question not in seen:
+            seen.add(t.question)
+            rows.append({"prompt": _messages(cfg, t.question), "answer": t.answer, "task": t.family,
+                         "question": t.question})
+    if len(rows) < cfg.num_prompts:
+        raise ValueError(f"task {cfg.task!r} gave only {len(rows)} distinct prompts; num_prompts={cfg.num_prompts}")
+    return rows
+
+
+def _messages(cfg: GRPOConfig, question: str) -> list[dict[str, str]]:
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    return system + [{"role": "user", "content": cfg.prompt_template.format(question=question)}]
+
+
+def prompt_rows(num_rows: int, per_step: int, generation: int, seed: int) -> list[int]:
+    """Dataset rows of rollout `generation`: a fresh seeded permutation per pass over the data."""
+    out = []
+    for flat in range(generation * per_step, (generation + 1) * per_step):
+        epoch, i = divmod(flat, num_rows)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        out.append(int(torch.randperm(num_rows, generator=g)[i]))
+    return out
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of completion `index` of the rollout at `step`."""
+    return (seed * 1_000_003 + step * 7_919 + index) % (2**63 - 1)
+
+
+# ---- the loss ----------------------------------------------------------------------------------
+
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's sum_then_normalize: (advantages, rewards, std) for rewards [N, F] in groups of
+    num_generations consecutive rows. A row every function left None gets advantage 0 and is
+    left out of its group's mean and std."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights[None]).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = _nanstd(rewards).expand_as(rewards)
+    else:
+        std = _nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    adv = rewards - mean
+    if scale_rewards != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), rewards, std
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sample std (Bessel) ignoring NaNs, as TRL's nanstd."""
+    mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
+    var = torch.nanmean((x - mean) ** 2, dim=dim)
+    count = (~torch.isnan(x)).sum(dim=dim) if dim is not None else (~torch.isnan(x)).sum()
+    return (var * count / (count - 1)).sqrt()
+
+
+def completion_logps(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
+                     completion_ids: Sequence[Sequence[int]], temperature: float = 1.0,
+                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, C] of each completion's tokens under `model` given its prompt (logits / temperature),
+    and the entropies there if asked; C is the longest completion, shorter rows padded with 0.
+
+    Each row is prompt + completion right-padded (causal attention: padding never reaches a real
+    token); logits are computed only at the C positions that predict completion tokens."""
+    device = next(model.parameters()).device
+    lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    t, c_max = max(lens), max(len(c) for c in completion_ids)
+    ids = torch.zeros(len(lens), t, dtype=torch.long)
+    targets = torch.zeros(len(lens), c_max, dtype=torch.long)
+    where = torch.zeros(len(lens), c_max, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        ids[i, :lens[i]] = torch.tensor(list(p) + list(c))
+        targets[i, :len(c)] = torch.tensor(list(c))
+        where[i] = (len(p) - 1 + torch.arange(c_max)).clamp(max=t - 1)
+    logits = model(ids.to(device), logit_positions=where.to(device)).logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logps = logp_all.gather(-1, targets.to(device)[..., None]).squeeze(-1)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, ent
+
+
+def completion_mask(completion_ids: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, C] float: 1 at each completion's tokens, 0 at padding."""
+    c_max = max(len(c) for c in completion_ids)
+    lens = torch.tensor([len(c) for c in completion_ids])
+    return (torch.arange(c_max)[None] < lens[:, None]).float().to(device)
+
+
+def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, loss_type: str,
+              epsilon_low: float, epsilon_high: float, beta: float = 0.0, old_logps: torch.Tensor | None = None,
+              ref_logps: torch.Tensor | None = None, use_bias_correction_kl: bool = True,
+              max_completion_length: int | None = None, num_items_in_batch: float | None = None,
+              gradient_accumulation_steps: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's loss, as TRL's GRPOTrainer computes it (token-level importance ratio).
+
+    logps, old_logps, ref_logps, mask: [B, C]; advantages [B]. old_logps None: the ratio is 1
+    (num_iterations = 1). With beta > 0 each token adds beta * k3 KL to the reference,
+    exp(ref - logp) - (ref - logp) - 1, times the ratio if use_bias_correction_kl. The loss is already divided for gradient accumulation: summed over the
+    step's micro-batches it is the step's loss. grpo: mean over sequences of each one's token mean;
+    bnpo: the micro-batch's token mean; dr_grpo: token sum / (B * max_completion_length); dapo:
+    token sum / num_items_in_batch, the completion tokens of the whole step.
+    Also returns sums for metrics: masked sums of kl, low/high/region clipping, and the token count."""
+    adv = advantages[:, None]
+    old = logps.detach() if old_logps is None else old_logps
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps (the reference model's log-probs)")
+        per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+        per_token = per_token + beta * per_token_kl
+    masked = per_token * mask
+    if loss_type == "grpo":
+        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / gradient_accumulation_steps
+    elif loss_type == "bnpo":
+        loss = masked.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+        loss = masked.sum() / (per_token.size(0) * max_completion_length) / gradient_accumulation_steps
+    elif loss_type == "dapo":
+        if num_items_in_batch is None:
+            raise ValueError("loss_type 'dapo' needs num_items_in_batch (completion tokens of the step)")
+        loss = masked.sum() / max(float(num_items_in_batch), 1.0)
+    else:
+        raise ValueError(f"loss_type {loss_type!r} is not one of {list(LOSS_TYPES)}")
+    with torch.no_grad():
+        low = ((coef_1 < 1 - epsilon_low) & (adv < 0)).float()
+        high = ((coef_1 > 1 + epsilon_high) & (adv > 0)).float()
+        sums = {"tokens": mask.sum(), "clip_low": (low * mask).sum(), "clip_high": (high * mask).sum(),
+                "clip_region": (((low + high) > 0).float() * mask).sum()}
+        if beta != 0.0:
+            sums["kl"] = (per_token_kl * mask).sum()
+    return loss, sums
+
+
+# ---- rollouts ----------------------------------------------------------------------------------
+
+@dataclass
+class RolloutBatch:
+    """One rollout's completions with what training needs: advantages, old and reference log-probs
+    ([N, C] or None), the shuffled order of the micro-batches, and the rollout's metrics."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    mask: torch.Tensor  # [N, C]
+    advantages: torch.Tensor  # [N]
+    order: list[int]
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, size: int, temperature: float) -> torch.Tensor:
+    out = torch.zeros(batch.mask.shape)
+    with torch.no_grad():
+        for s in range(0, len(batch.prompt_ids), size):
+            lp, _ = completion_logps(model, batch.prompt_ids[s:s + size], batch.completion_ids[s:s + size],
+                                     temperature)
+            out[s:s + size, :lp.shape[1]] = lp.float().cpu()
+    return out
+
+
+def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], step: int, cfg: GRPOConfig,
+            reward_funcs: Sequence[Callable], reward_names: Sequence[str], eos: set[int]) -> RolloutBatch:
+    """Sample num_generations completions per prompt on the engine and score them."""
+    from reclaim.engine.request import SamplingParams
+
+    g = cfg.num_generations
+    ids = [p for p in prompts for _ in range(g)]
+    params = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_completion_length,
+                             seed=request_seed(cfg.seed, step, i)) for i in range(len(ids))]
+    t0 = time.perf_counter()
+    outs = engine.generate(ids, params)
+    rollout_s = time.perf_counter() - t0
+    completions = [list(o.token_ids) for o in outs]
+    mask = completion_mask(completions)
+    truncated = torch.tensor([not (c and c[-1] in eos) for c in completions])
+    if cfg.mask_truncated_completions:
+        mask = mask * (~truncated).float()[:, None]
+    rep = [r for r in rows for _ in range(g)]
+    columns = {k: [r[k] for r in rep] for k in rep[0] if k != "prompt"}
+    texts = [[{"role": "assistant", "content": o.text}] for o in outs]
+    state = SimpleNamespace(global_step=step, max_steps=cfg.max_steps)
+    per_func = score(reward_funcs, reward_names, [r["prompt"] for r in rep], texts, completions, columns,
+                     trainer_state=state)
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+    adv, rewards, std = group_advantages(per_func, weights, g, cfg.scale_rewards)
+    lens = torch.tensor([len(c) for c in completions], dtype=torch.float)
+    n_tokens = int(lens.sum())
+    metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": _nanstd(rewards).item(),
+               "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
+               "completions/mean_length": lens.mean().item(), "completions/min_length": lens.min().item(),
+               "completions/max_length": lens.max().item(),
+               "completions/clipped_ratio": truncated.float().mean().item(),
+               "rollout_s": rollout_s, "rollout_tokens": n_tokens, "rollout_tokens_per_s": n_tokens / rollout_s}
+    for j, name in enumerate(reward_names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, j]).item()
+        metrics[f"rewards/{name}/std"] = _nanstd(per_func[:, j]).item()
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(request_seed(cfg.seed, step, -1)))
+    return RolloutBatch(ids, completions, mask, adv, order.tolist(), metrics=metrics)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """The run's complete checkpoint-{step} directories, oldest first."""
+    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any, optimizer, scheduler,
+                    state: dict[str, Any], batch: RolloutBatch | None) -> Path:
+    """checkpoint-{step}/: the policy (HF layout), optimizer, scheduler, RNG states, the rollout
+    still being trained on (num_iterations > 1) and trainer_state.json (last), written atomically."""
+    from reclaim.models.loading import atomic_dir, save_model
+
+    def write(tmp: Path) -> None:
+        save_model(model, tokenizer, tmp)  # first, while tmp is empty (it replaces the directory)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng_state.pt")
+        if batch is not None:
+            torch.save(dataclasses.asdict(batch), tmp / "rollout.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    return atomic_dir(out / f"{CHECKPOINT_PREFIX}{step}", write)
+
+
+# ---- the trainer -------------------------------------------------------------------------------
+
+def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig) -> dict[str, float]:
+    """gradient_accumulation_steps micro-batches of the rollout, backward each (no optimizer step)."""
+    b = cfg.per_device_train_batch_size
+    num_items = float(batch.mask.sum())
+    totals: dict[str, float] = {}
+    loss_sum = entropy_sum = 0.0
+    device = next(model.parameters()).device
+    for k in range(cfg.gradient_accumulation_steps):
+        idx = batch.order[k * b:(k + 1) * b]
+        comps = [batch.completion_ids[i] for i in idx]
+        c = max(len(x) for x in comps)
+        logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature, entropy=True)
+        pick = lambda t: None if t is None else t[idx, :c].to(device)  # noqa: E731
+        mask = pick(batch.mask)
+        loss, sums = grpo_loss(logps.float(), batch.advantages[idx].to(device), mask, loss_type=cfg.loss_type,
+                               epsilon_low=cfg.epsilon_low, epsilon_high=cfg.upper_epsilon, beta=cfg.beta,
+                               old_logps=pick(batch.old_logps), ref_logps=pick(batch.ref_logps),
+                               use_bias_correction_kl=cfg.use_bias_correction_kl,
+                               max_completion_length=cfg.max_completion_length, num_items_in_batch=num_items,
+                               gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+        loss.backward()
+        loss_sum += loss.item()
+        entropy_sum += float((ent * mask).sum())
+        for key, v in sums.items():
+            totals[key] = totals.get(key, 0.0) + float(v)
+    tokens = max(totals.pop("tokens"), 1.0)
+    out = {"loss": loss_sum, "entropy": entropy_sum / tokens}
+    for key in ("clip_low", "clip_high", "clip_region"):
+        out[f"clip_ratio/{key.removeprefix('clip_')}_mean"] = totals[key] / tokens
+    if "kl" in totals:
+        out["kl"] = totals["kl"] / tokens
+    return out
+
+
+def _trim_log(path: Path, step: int) -> None:
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run `reclaim grpo` per cfg; returns a summary (steps, the last logged record, seconds)."""
+    from tqdm import tqdm
+
+    from reclaim.engine.engine import Engine
+    from reclaim.models.loading import load_model
+    from reclaim.models.tokenizer import encode_chat
+
+    t_start = time.perf_counter()
+    out = Path(cfg.output_dir)
+    rows = build_dataset(cfg)
+    reward_funcs = [load_reward(spec) for spec in cfg.reward_funcs]
+    reward_names = [getattr(f, "__name__", spec) if ":" in spec or "." in spec else spec
+                    for f, spec in zip(reward_funcs, cfg.reward_funcs)]
+    out.mkdir(parents=True, exist_ok=True)
+    last = None
+    if cfg.resume_from_checkpoint:
+        found = checkpoints(out)
+        if not found:
+            raise ValueError(f"resume_from_checkpoint is set but {str(out)!r} has no {CHECKPOINT_PREFIX}* directory")
+        last = found[-1]
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(last or cfg.model, dtype=cfg.dtype, device=cfg.device)
+    if tokenizer is None:
+        raise ValueError(f"model {cfg.model!r} has no tokenizer files; prompts need its chat template")
+    ref = None
+    if cfg.beta > 0:  # the starting model, also on resume
+        ref = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)[0] if last else copy.deepcopy(model)
+        ref.requires_grad_(False)
+    prompts = [encode_chat(tokenizer, r["prompt"]) for r in rows]
+    if cfg.max_prompt_length is not None:
+        prompts = [p[-cfg.max_prompt_length:] for p in prompts]
+    limit = model.config.max_position_embeddings
+    max_len = min(limit, max(len(p) for p in prompts) + cfg.max_completion_length)
+    if max(len(p) for p in prompts) >= max_len:
+        raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room to generate within the "
+                         f"model's {limit} positions; lower max_prompt_length")
+    engine = Engine(copy.deepcopy(model), tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len,
+                    seed=cfg.seed)
+    eos = set(engine.eos_token_ids)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
+    step, history, window, batch = 0, [], [], None
+    log_path = out / "log.jsonl"
+    if last is not None:
+        state = json.loads((last / "trainer_state.json").read_text())
+        step, history, window = state["global_step"], state["log_history"], state["log_window"]
+        opt.load_state_dict(torch.load(last / "optimizer.pt"))
+        sched.load_state_dict(torch.load(last / "scheduler.pt"))
+        rng = torch.load(last / "rng_state.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if (last / "rollout.pt").exists():
+            batch = RolloutBatch(**torch.load(last / "rollout.pt", weights_only=False))
+        _trim_log(log_path, step)
+    elif log_path.exists():
+        log_path.unlink()  # a fresh run starts a fresh log
+    config_dict = dataclasses.asdict(cfg)
+    (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+
+    per_step = cfg.generation_batch_size // cfg.num_generations
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="grpo")
+    model.train()
+    while step < cfg.max_steps:
+        t0 = time.perf_counter()
+        rec: dict[str, Any] = {}
+        if step % cfg.num_iterations == 0 or batch is None:
+            idx = prompt_rows(len(rows), per_step, step // cfg.num_iterations, cfg.seed)
+            batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg,
+                            reward_funcs, reward_names, eos)
+            if cfg.num_iterations > 1:
+                batch.old_logps = _chunked_logps(model, batch, cfg.per_device_train_batch_size, cfg.temperature)
+            if ref is not None:
+                batch.ref_logps = _chunked_logps(ref, batch, cfg.per_device_train_batch_size, cfg.temperature)
+            rec.update(batch.metrics)
+        else:  # another iteration on the same rollout: its reward metrics, no rollout time
+            rec.update({k: v for k, v in batch.metrics.items() if not k.startswith("rollout")})
+        opt.zero_grad(set_to_none=True)
+        t_train = time.perf_counter()
+        rec.update(_optimizer_step(model, batch, cfg))
+        rec["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        rec["learning_rate"] = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        rec["weights_version"] = engine.update_weights(model.state_dict())
+        rec["train_s"] = time.perf_counter() - t_train
+        rec["step_time"] = time.perf_counter() - t0
+        step += 1
+        window.append(rec)
+        bar.update(1)
+        bar.set_postfix(reward=f"{rec['reward']:.3f}", loss=f"{rec['loss']:.4f}")
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            keys = sorted({k for r in window for k in r})
+            entry = {"step": step, **{k: sum(r[k] for r in window if k in r) / sum(k in r for r in window)
+                                      for k in keys}}
+            history.append(entry)
+            with open(log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+            window = []
+        if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps:
+            state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
+                     "log_window": window, "config": config_dict}
+            pending = batch if step % cfg.num_iterations else None
+            save_checkpoint(out, step, model, tokenizer, opt, sched, state, pending)
+            if cfg.save_total_limit:
+                for old in checkpoints(out)[:-cfg.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+    bar.close()
+    return {"steps": step, "last": history[-1] if history else None, "total_s": time.perf_counter() - t_start}
