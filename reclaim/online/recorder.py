@@ -320,10 +320,10 @@ class PrefixCache:
         for r in self.records:
             rk, rv = r.kv(layer)
             pad = self.pmax - r.length
-            pk.append(F.pad(rk, (0, 0, 0, pad)))
-            pv.append(F.pad(rv, (0, 0, 0, pad)))
-        keys = torch.cat([torch.cat(pk), k], dim=2)
-        values = torch.cat([torch.cat(pv), v], dim=2)
+            pk.append(F.pad(rk, (0, 0, 0, pad)) if pad else rk)
+            pv.append(F.pad(rv, (0, 0, 0, pad)) if pad else rv)
+        keys = torch.cat([pk[0] if len(pk) == 1 else torch.cat(pk), k], dim=2)
+        values = torch.cat([pv[0] if len(pv) == 1 else torch.cat(pv), v], dim=2)
         return keys, values, self.mask
 
 

@@ -24,7 +24,7 @@ import random
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -38,6 +38,7 @@ from reclaim.online.store import RecordInfo, RecordStore
 log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint-"
+ADAPTER_FILE = "adapter.safetensors"
 COST_MODELS = ("measure", "reuse", "recompute")
 
 
@@ -54,6 +55,10 @@ class OnlineTrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     max_grad_norm: float = 1.0
+    lora_r: int = 0  # 0: full fine-tuning; else adapters of this rank (base weights frozen)
+    lora_alpha: float = 16.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     save_steps: int = 50  # checkpoint every N steps (0: never)
     save_total_limit: int | None = 2
     # Recording (the engine's side): all | requested (body key retain_for_training) | fraction:F
@@ -71,7 +76,7 @@ class OnlineTrainConfig:
         if self.per_device_train_batch_size < 1:
             raise ValueError(f"per_device_train_batch_size={self.per_device_train_batch_size}: "
                              "must be >= 1")
-        for name in ("save_steps", "max_staleness"):
+        for name in ("save_steps", "max_staleness", "lora_r"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.cost_model not in COST_MODELS:
@@ -226,6 +231,10 @@ class OnlineTrainer:
                  cost: CostModel | None = None) -> None:
         self.model, self.cfg, self.feedback, self.store = model, cfg, feedback, store
         self.tokenize = tokenize
+        if cfg.lora_r:
+            from reclaim.online.lora import apply_lora
+
+            apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules)
         if cost is None:
             cost = CostModel.measure(model) if cfg.cost_model == "measure" else CostModel.fixed(
                 cfg.cost_model)
@@ -332,12 +341,21 @@ class OnlineTrainer:
 
     def save(self) -> Path:
         """Write checkpoint-{step}/ (HF model dir, optimizer, trainer_state.json) atomically."""
+        from safetensors.torch import save_file
+
         from reclaim.models.loading import MAX_SHARD_SIZE, atomic_dir, write_weights
+        from reclaim.online.lora import adapter_state_dict, merged_state_dict
 
         def write(tmp: Path) -> None:
             cfg = self.model.config
             (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
-            write_weights(self.model, cfg, tmp, MAX_SHARD_SIZE)
+            if self.cfg.lora_r:  # a servable HF dir with the adapters folded in, and the adapters
+                merged = merged_state_dict(self.model)
+                write_weights(_Weights(merged), cfg, tmp, MAX_SHARD_SIZE)
+                save_file({k: v.contiguous() for k, v in adapter_state_dict(self.model).items()},
+                          tmp / ADAPTER_FILE)
+            else:
+                write_weights(self.model, cfg, tmp, MAX_SHARD_SIZE)
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             state = dict(step=self.step, version=self.version, counts=dict(self.counts))
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
@@ -357,9 +375,20 @@ class OnlineTrainer:
         if found:
             last = found[-1]
             state = json.loads((last / "trainer_state.json").read_text())
-            src = SafetensorsSource(last)
+            has_adapter = (last / ADAPTER_FILE).exists()
+            if has_adapter != bool(self.cfg.lora_r):
+                raise ValueError(f"{str(last)!r} was written {'with' if has_adapter else 'without'}"
+                                 f" LoRA adapters but lora_r={self.cfg.lora_r}; resume with the "
+                                 "run's own lora settings")
+            if has_adapter:
+                from safetensors.torch import load_file
+
+                src = load_file(last / ADAPTER_FILE)
+                trained = {n: p for n, p in self.model.named_parameters() if ".lora_" in n}
+            else:
+                src, trained = SafetensorsSource(last), dict(self.model.named_parameters())
             with torch.no_grad():
-                for name, p in self.model.named_parameters():
+                for name, p in trained.items():
                     p.copy_(src[name])
             self.optimizer.load_state_dict(torch.load(last / "optimizer.pt"))
             self.step = state["step"]
@@ -376,3 +405,13 @@ class OnlineTrainer:
             self.log_path.write_text("".join(ln + "\n" for ln in keep))
         log.info("online trainer resumed at step %d; %d feedback reopened", self.step, reopened)
         return self.step
+
+
+class _Weights:
+    """A state dict posing as a module for write_weights."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors

@@ -33,7 +33,8 @@ def token_lists(lengths, seed: int = 1) -> list[list[int]]:
 
 
 def grads(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+    """Every trainable parameter's gradient, flattened into one vector."""
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -47,6 +47,22 @@ def test_reuse_gradient_equals_recompute(family, shape, mode):
     assert rel_err(got, want) <= TOL
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reuse_gradient_equals_recompute_with_lora(family):
+    from reclaim.online.lora import apply_lora
+
+    model = tiny_model(family)
+    params = apply_lora(model, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.1)  # B = 0 at init would leave A without a gradient
+    prompts, responses = token_lists([7, 13, 3], seed=1), token_lists([5, 1, 9], seed=2)
+    _, want = baseline_grad(model, prompts, responses)
+    _, got, _ = reuse_grad(model, prompts, responses)
+    assert got.numel() == sum(p.numel() for p in params)
+    assert rel_err(got, want) <= TOL
+
+
 def test_batched_reuse_equals_samples_one_by_one():
     """Padding the batch changes nothing: each sample's gradient adds up to the batch's."""
     model = tiny_model("qwen3")

@@ -175,6 +175,30 @@ def test_resume_after_a_lost_step_trains_each_feedback_once(tmp_path):
     assert [json.loads(ln)["step"] for ln in lines] == [1, 2, 3]  # step 3's line: the rerun's
 
 
+def test_lora_checkpoint_is_servable_and_resumes_the_adapters(tmp_path):
+    from reclaim.models.loading import load_checkpoint
+
+    t = trainer(tmp_path, "lora", tiny_model(), RecordStore(), "reuse", lora_r=2,
+                per_device_train_batch_size=2, save_steps=2, lora_target_modules=["q_proj", "up_proj"])
+    assert {n for n, p in t.model.named_parameters() if p.requires_grad} == {
+        f"model.layers.{i}.{m}.lora_{x}" for i in range(2)
+        for m in ("self_attn.q_proj", "mlp.up_proj") for x in "AB"}
+    for i in range(4):
+        t.feedback.append(f"r{i}", 1)
+    t.train_step(), t.train_step()
+    path = Path(t.cfg.output_dir) / "checkpoint-2"
+    ids = torch.tensor([token_lists([10], seed=9)[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(path)(ids).logits, t.model(ids).logits)
+    again = OnlineTrainer(tiny_model(), t.cfg, t.feedback, RecordStore())
+    assert again.resume() == 2
+    for p, q in zip(again.model.parameters(), t.model.parameters()):
+        torch.testing.assert_close(p, q)
+    plain = dict(t.cfg.__dict__, lora_r=0)
+    with pytest.raises(ValueError, match="with LoRA adapters but lora_r=0"):
+        OnlineTrainer(tiny_model(), OnlineTrainConfig(**plain), t.feedback, RecordStore()).resume()
+
+
 @pytest.mark.slow
 def test_kill_9_during_training_then_resume_trains_each_feedback_once(tmp_path):
     out, ref = tmp_path / "run", tmp_path / "ref"
