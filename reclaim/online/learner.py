@@ -1,0 +1,80 @@
+"""The one object a server holds for online learning: it records prompts chosen by policy, logs
+served responses and feedback, runs training steps between engine steps and reports metrics.
+
+    learner = OnlineLearner(model, load_config(OnlineTrainConfig, "online-smollm2"), tokenize=...)
+    if learner.should_record(body.get("retain_for_training", False)):
+        rec = learner.record(prompt_ids, response_id)   # prefill with autograd: rec.keys / values
+        first_token_logits = rec.last_logits            # are the prompt's K/V for decoding
+    learner.on_response(response_id, prompt_ids, response_ids)   # when the response is complete
+    fid = learner.feedback(response_id, rating, correction)      # POST /v1/feedback
+    learner.train_step()                                          # between engine steps
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from reclaim.online.feedback import FeedbackLog
+from reclaim.online.recorder import PromptRecord, record_prompt
+from reclaim.online.store import RecordStore
+from reclaim.online.trainer import CostModel, OnlineTrainConfig, OnlineTrainer, record_policy
+
+
+class OnlineLearner:
+    """Recorder policy, record store, feedback log and trainer for one served model."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OnlineTrainConfig, *,
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 cost: CostModel | None = None) -> None:
+        self.model, self.cfg = model, cfg
+        self.should_record = record_policy(cfg.record)
+        self.store = RecordStore(cfg.record_budget, cfg.record_host_budget)
+        self.log = FeedbackLog(cfg.feedback_path)
+        self.trainer = OnlineTrainer(model, cfg, self.log, self.store, tokenize=tokenize, cost=cost)
+        self.trainer.resume()
+        self.train_seconds = 0.0
+        self.train_tokens = 0
+
+    @property
+    def version(self) -> int:
+        """The weights version: responses report it; it rises by one per training step."""
+        return self.trainer.version
+
+    def record(self, prompt_ids: Sequence[int], response_id: str) -> PromptRecord:
+        """Run the prompt's prefill with autograd and keep it for training on `response_id`."""
+        rec = record_prompt(self.model, prompt_ids, response_id=response_id, version=self.version,
+                            prefix_grad=self.cfg.prefix_grad,
+                            selective=self.cfg.selective_recompute)
+        self.store.put(rec)
+        return rec
+
+    def on_response(self, response_id: str, prompt_ids: Sequence[int],
+                    response_ids: Sequence[int]) -> None:
+        """Log a finished response, so feedback can name it (and train on it after a restart)."""
+        self.log.add_response(response_id, prompt_ids, response_ids, self.version)
+
+    def feedback(self, response_id: str, rating: int, correction: str | None = None) -> int:
+        """Durably log feedback; raises UnknownResponse (404) or FeedbackError (400)."""
+        return self.log.append(response_id, rating, correction)
+
+    def train_step(self) -> dict | None:
+        """One training step if feedback is pending (its log entry), else None."""
+        t = time.perf_counter()
+        entry = self.trainer.train_step()
+        if entry is not None:
+            self.train_seconds += time.perf_counter() - t
+            self.train_tokens += entry["tokens"]
+        return entry
+
+    def metrics(self) -> dict[str, float]:
+        """For /metrics: version, training tokens/s, reuse rate, decisions by reason, and the
+        store's records, bytes, hits, misses, evictions, stale."""
+        tps = self.train_tokens / self.train_seconds if self.train_seconds else 0.0
+        out = {"version": self.version, "train_tokens": self.train_tokens,
+               "train_tokens_per_s": tps, "pending_feedback": len(self.log.pending())}
+        out.update({f"train_{k}": v for k, v in self.trainer.metrics().items()})
+        out.update({f"record_{k}": v for k, v in self.store.metrics().items()})
+        return out
