@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from reclaim.online.feedback import FeedbackLog
+from reclaim.online.feedback import FeedbackError, FeedbackLog
 from reclaim.online.recorder import PromptRecord, record_prompt
 from reclaim.online.store import RecordStore
 from reclaim.online.trainer import CostModel, OnlineTrainConfig, OnlineTrainer, record_policy
@@ -57,7 +57,15 @@ class OnlineLearner:
         self.log.add_response(response_id, prompt_ids, response_ids, self.version)
 
     def feedback(self, response_id: str, rating: int, correction: str | None = None) -> int:
-        """Durably log feedback; raises UnknownResponse (404) or FeedbackError (400)."""
+        """Durably log feedback; raises UnknownResponse (404) or FeedbackError (400), the latter
+        also for a correction that tokenizes to nothing or does not fit the context after the
+        prompt (checked before anything is written)."""
+        if isinstance(correction, str) and self.trainer.tokenize is not None:
+            prompt = len(self.log.response(response_id).prompt_ids)
+            n, limit = len(self.trainer.tokenize(correction)), self.model.config.max_position_embeddings
+            if n == 0 or prompt + n > limit:
+                raise FeedbackError(f"correction of {n} tokens after a prompt of {prompt}: must be "
+                                    f"1 to {limit - prompt} tokens (the context is {limit})")
         return self.log.append(response_id, rating, correction)
 
     def train_step(self) -> dict | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_model, token_lists
 
-from reclaim.online.feedback import UnknownResponse
+from reclaim.online.feedback import FeedbackError, UnknownResponse
 from reclaim.online.learner import OnlineLearner
 from reclaim.online.trainer import CostModel, OnlineTrainConfig
 
@@ -25,6 +25,9 @@ def test_serve_feedback_train_round_trip(tmp_path):
     learner.feedback("chat-2", 1)
     with pytest.raises(UnknownResponse, match="'chat-3'"):
         learner.feedback("chat-3", 1)
+    with pytest.raises(FeedbackError, match="correction of 300 tokens after a prompt of 5: must be "
+                                            r"1 to 251 tokens \(the context is 256\)"):
+        learner.feedback("chat-2", 0, "x" * 300)
     entry = learner.train_step()
     assert [(d["response_id"], d["reason"]) for d in entry["decisions"]] == [
         ("chat-1", "record"), ("chat-2", "no_record")]
