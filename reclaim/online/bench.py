@@ -51,7 +51,8 @@ def bench_online(model: torch.nn.Module | None = None, mixes: Sequence[tuple[int
         ids = torch.tensor([prompt])
         times: dict[str, list[float]] = dict(recompute_s=[], prompt_forward_s=[], record_s=[],
                                              reuse_s=[])
-        for i in range(repeats + 1):  # the first round warms up, untimed
+        warmup = 1 if not rows else 0  # the first mix's first round warms up, untimed
+        for i in range(repeats + warmup):
             model.zero_grad(set_to_none=True)
             t_rec, _ = _timed(lambda: _step(model, lambda: recompute_loss(model, [prompt], [resp])))
             # what recomputing spends on the prompt: its forward with autograd, graph then dropped
@@ -61,7 +62,7 @@ def bench_online(model: torch.nn.Module | None = None, mixes: Sequence[tuple[int
                                                             version=0))
             model.zero_grad(set_to_none=True)
             t_reuse, _ = _timed(lambda: _step(model, lambda: reuse_loss(model, [record], [resp])))
-            if i:
+            if i >= warmup:
                 for k, v in zip(times, (t_rec, t_fwd, t_record, t_reuse)):
                     times[k].append(v)
         step, fwd, reuse = (statistics.median(times[k]) for k in ("recompute_s",
@@ -72,6 +73,14 @@ def bench_online(model: torch.nn.Module | None = None, mixes: Sequence[tuple[int
                          speedup=step / reuse, ceiling=ceiling, of_ceiling=(step / reuse) / ceiling,
                          record_saved_bytes_per_token=record.saved_bytes / p,
                          record_kv_bytes_per_token=record.kv_bytes / p, samples=times))
+        if len(rows) == 1:  # a selective record (matmul outputs only), on the first mix
+            t_sel_record, sel = _timed(lambda: record_prompt(model, prompt, response_id="s",
+                                                             version=0, selective=True))
+            model.zero_grad(set_to_none=True)
+            t_sel, _ = _timed(lambda: _step(model, lambda: reuse_loss(model, [sel], [resp])))
+            rows[0].update(selective_record_s=t_sel_record, selective_reuse_s=t_sel,
+                           selective_speedup=step / t_sel,
+                           selective_saved_bytes_per_token=sel.saved_bytes / p)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     t_opt, _ = _timed(opt.step)  # constant per step on both paths, reported apart
     model.zero_grad(set_to_none=True)

@@ -13,3 +13,5 @@ def test_bench_reports_speedup_ceiling_and_record_bytes():
     for m in out["mixes"]:
         assert m["ceiling"] > 1 and m["speedup"] > 0 and m["record_saved_bytes_per_token"] > 0
         assert len(m["samples"]["reuse_s"]) == 1
+    first = out["mixes"][0]
+    assert 0 < first["selective_saved_bytes_per_token"] < first["record_saved_bytes_per_token"]
