@@ -31,6 +31,24 @@ def _step(model, loss_fn) -> None:
     (loss / n).backward()
 
 
+def _gradient_errors(model, prompt, resp) -> dict[str, float]:
+    """Relative error of the whole gradient against recompute's: exact reuse, and the cheaper
+    prefix_grad=False (gradient stopped at the prompt)."""
+    model.zero_grad(set_to_none=True)
+    _step(model, lambda: recompute_loss(model, [prompt], [resp]))
+    want = [p.grad.clone() for p in model.parameters()]
+    norm = sum(float(w.square().sum()) for w in want) ** 0.5
+    out = {}
+    for name, prefix_grad in (("exact_reuse_rel_err", True), ("prefix_grad_false_rel_err", False)):
+        model.zero_grad(set_to_none=True)
+        rec = record_prompt(model, prompt, response_id="g", version=0, prefix_grad=prefix_grad)
+        _step(model, lambda: reuse_loss(model, [rec], [resp]))
+        diff = sum(float((p.grad - w).square().sum()) for p, w in zip(model.parameters(), want))
+        out[name] = diff ** 0.5 / norm
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def bench_online(model: torch.nn.Module | None = None, mixes: Sequence[tuple[int, int]] = MIXES,
                  threads: int = 2, repeats: int = 2, seed: int = 0) -> dict[str, Any]:
     """Per mix, median seconds of: the recompute step, its prompt forward, recording the prompt,
@@ -73,7 +91,8 @@ def bench_online(model: torch.nn.Module | None = None, mixes: Sequence[tuple[int
                          speedup=step / reuse, ceiling=ceiling, of_ceiling=(step / reuse) / ceiling,
                          record_saved_bytes_per_token=record.saved_bytes / p,
                          record_kv_bytes_per_token=record.kv_bytes / p, samples=times))
-        if len(rows) == 1:  # a selective record (matmul outputs only), on the first mix
+        if len(rows) == 1:  # on the first mix: gradient errors, and a selective record
+            rows[0].update(_gradient_errors(model, prompt, resp))
             t_sel_record, sel = _timed(lambda: record_prompt(model, prompt, response_id="s",
                                                              version=0, selective=True))
             model.zero_grad(set_to_none=True)

@@ -15,3 +15,4 @@ def test_bench_reports_speedup_ceiling_and_record_bytes():
         assert len(m["samples"]["reuse_s"]) == 1
     first = out["mixes"][0]
     assert 0 < first["selective_saved_bytes_per_token"] < first["record_saved_bytes_per_token"]
+    assert first["exact_reuse_rel_err"] < 1e-5 < first["prefix_grad_false_rel_err"]
