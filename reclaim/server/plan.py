@@ -188,9 +188,9 @@ def _grammar(req: SamplingRequest, grammars: GrammarCompiler,
     if rf is not None and rf.type == "json_object":
         asked.append(("response_format", lambda p: grammars.json_object(p)))
     elif rf is not None and rf.type == "json_schema":
-        schema = rf.json_schema.json_schema
+        schema, strict = rf.json_schema.json_schema, bool(rf.json_schema.strict)
         asked.append(("response_format.json_schema.schema",
-                      lambda p: grammars.json_schema(schema, p)))
+                      lambda p: grammars.json_schema(schema, p, strict)))
     so = req.structured_outputs
     keys = [("guided_json", req.guided_json, grammars.json_schema),
             ("guided_regex", req.guided_regex, grammars.regex),

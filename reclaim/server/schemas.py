@@ -39,8 +39,13 @@ REFUSED: dict[str, tuple] = {
     "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": ({},),
     "prompt_embeds": (), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "image": (), "images": ([],),
+    "spaces_between_special_tokens": (True,), "image": (), "images": ([],), "moderation": (),
 }
+# Accepted and without effect on what is generated or returned, as in OpenAI's API without
+# stored completions: labels for the caller's own bookkeeping and prompt-cache hints (this
+# server's prefix cache needs none).
+INFORMATIONAL = ("user", "metadata", "safety_identifier", "prompt_cache_key",
+                 "prompt_cache_retention", "prompt_cache_options")
 REFUSED_CHAT_ONLY = {"echo": (False,)}  # vLLM's chat echo (repeat the last message): not here
 
 

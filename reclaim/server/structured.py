@@ -81,8 +81,9 @@ class GrammarCompiler:
             raise APIError(400, f"{param} is not a valid {what}: {lines[:300]}", param=param)
         return Grammar(param, text)
 
-    def json_schema(self, schema: Any, param: str) -> Grammar:
-        """Output that is JSON valid against `schema` (a dict, or its JSON text)."""
+    def json_schema(self, schema: Any, param: str, strict: bool = False) -> Grammar:
+        """Output that is JSON valid against `schema` (a dict, or its JSON text); `strict` as
+        OpenAI's: objects without `additionalProperties` take no properties beyond theirs."""
         from llguidance import LLMatcher
 
         if isinstance(schema, str):
@@ -93,6 +94,8 @@ class GrammarCompiler:
         if not isinstance(schema, (dict, bool)):
             raise APIError(400, f"{param} must be a JSON schema object", param=param)
         _check_size(json.dumps(schema), param)
+        if strict:
+            schema = closed(schema)
         try:
             text = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as exc:
@@ -137,6 +140,30 @@ class GrammarCompiler:
 
         lltok = self._tokenizer()
         return GrammarConstraint(LLMatcher(lltok, grammar.text, log_level=0), lltok.vocab_size)
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that does not set it (OpenAI's
+    strict mode requires that of a schema; a schema that leaves it open is read that way)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in MAPS and isinstance(value, dict):  # name -> schema, not a schema itself
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        elif key in LITERALS:
+            out[key] = value
+        else:
+            out[key] = closed(value)
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+LITERALS = ("const", "enum", "default", "examples", "required")
 
 
 def _check_size(text: str, param: str) -> None:

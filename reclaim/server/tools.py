@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from reclaim.server.errors import APIError
 from reclaim.server.schemas import ChatCompletionRequest, NamedToolChoice
+from reclaim.server.structured import closed
 
 FORMATS = ("hermes", "json")  # what "auto" parses
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -47,7 +48,9 @@ class ToolPlan:
 
     def schema(self, request: ChatCompletionRequest) -> dict | None:
         """The JSON schema the output is constrained to (None for 'auto': free text)."""
-        params = {t.function.name: t.function.parameters or ANY_OBJECT for t in request.tools or []}
+        params = {t.function.name: closed(t.function.parameters or ANY_OBJECT)
+                  if t.function.strict else t.function.parameters or ANY_OBJECT
+                  for t in request.tools or []}
         if self.mode == "named":
             return params[self.named]
         if self.mode == "required":

@@ -37,6 +37,7 @@ def captured(monkeypatch):
 def test_defaults_are_safe(captured):
     kw = captured()
     assert kw["api_key"] is None and kw["allowed_origins"] == () and not kw["split_special_tokens"]
+    assert kw["access_log"] is True and kw["force_include_usage"] is False
     assert kw["engine_args"].max_num_batched_tokens == 2048
     assert kw["connections"] == ConnectionLimits()
     c = kw["connections"]
@@ -53,6 +54,8 @@ def test_flags_reach_the_server(captured):
                                                  body_timeout=4, keep_alive=1)
     assert kw["allowed_origins"] == ("http://a.test", "http://b.test", "http://c.test")
     assert kw["split_special_tokens"] is True
+    kw = captured("--enable-force-include-usage", "--disable-access-log")
+    assert kw["force_include_usage"] is True and kw["access_log"] is False
 
 
 def test_api_key_from_environment(captured):
