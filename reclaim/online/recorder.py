@@ -176,18 +176,20 @@ def record_prompt(model: torch.nn.Module, prompt_ids: Sequence[int], *, response
                        torch.empty(0), prefix_grad, device, selective=prefix_grad and selective,
                        weight_versions=tuple(p._version for p in params))
     held: list[torch.Tensor] = []
-    if not prefix_grad:
-        with torch.no_grad():
-            outs = forward(ids)
-    elif selective:
-        outs, held = _selective(forward, ids)
-    else:
-        with torch.enable_grad(), _capture(model, rec):
-            outs = forward(ids)
-        held = [s.tensor for s in rec.saved]
+    with torch.inference_mode(False):  # the engine may call this from its inference-mode loop
+        ids = ids.clone()
+        if not prefix_grad:
+            with torch.no_grad():
+                outs = forward(ids)
+        elif selective:
+            outs, held = _selective(forward, ids)
+        else:
+            with torch.enable_grad(), _capture(model, rec):
+                outs = forward(ids)
+            held = [s.tensor for s in rec.saved]
     n = (len(outs) - 1) // 2
     rec.last_hidden, rec.keys, rec.values = outs[0], list(outs[1:1 + n]), list(outs[1 + n:])
-    with torch.no_grad():
+    with torch.no_grad(), torch.inference_mode(False):
         rec.last_logits = model.lm_head(rec.last_hidden).float()[0, 0]
     kv = rec.keys + rec.values + [rec.last_hidden]
     rec.kv_bytes = unique_bytes(kv)

@@ -63,6 +63,18 @@ def test_reuse_gradient_equals_recompute_with_lora(family):
     assert rel_err(got, want) <= TOL
 
 
+def test_recording_from_the_engines_inference_mode_is_still_exact():
+    model = tiny_model("qwen2")
+    prompts, responses = token_lists([8], seed=1), token_lists([4], seed=2)
+    _, want = baseline_grad(model, prompts, responses)
+    model.zero_grad(set_to_none=True)
+    with torch.inference_mode():
+        rec = record_prompt(model, prompts[0], response_id="r", version=0)
+    loss, n = reuse_loss(model, [rec], responses)
+    (loss / n).backward()
+    assert rel_err(grads(model), want) <= TOL
+
+
 def test_batched_reuse_equals_samples_one_by_one():
     """Padding the batch changes nothing: each sample's gradient adds up to the batch's."""
     model = tiny_model("qwen3")
