@@ -45,6 +45,7 @@ class ToolPlan:
     mode: Literal["auto", "required", "named"]
     names: tuple[str, ...]
     named: str | None = None  # the function tool_choice names
+    parallel: bool = True  # parallel_tool_calls: more than one call per reply
 
     def schema(self, request: ChatCompletionRequest) -> dict | None:
         """The JSON schema the output is constrained to (None for 'auto': free text)."""
@@ -60,7 +61,7 @@ class ToolPlan:
                      for name in self.names]
             item = calls[0] if len(calls) == 1 else {"anyOf": calls}
             array = {"type": "array", "items": item, "minItems": 1}
-            if not request.parallel_tool_calls:
+            if not self.parallel:
                 array["maxItems"] = 1
             return array
         return None
@@ -76,7 +77,8 @@ class ToolPlan:
                 return text, []  # cut short by max_tokens or a stop string
             return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
                           for c in items]
-        return parse_tool_calls(text, self.names)
+        content, calls = parse_tool_calls(text, self.names)
+        return content, calls if self.parallel else calls[:1]
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
@@ -96,8 +98,8 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
         if choice.function.name not in names:
             raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is "
                            f"not among the tools; allowed: {list(names)}", param="tool_choice")
-        return ToolPlan("named", names, choice.function.name)
-    return ToolPlan(choice, names)
+        return ToolPlan("named", names, choice.function.name, req.parallel_tool_calls)
+    return ToolPlan(choice, names, parallel=req.parallel_tool_calls)
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:

@@ -113,6 +113,17 @@ def test_auto_parses_a_call_the_model_writes(http, output, content, name):
     check_calls(calls, (name,))
 
 
+def test_auto_keeps_one_call_without_parallel_tool_calls(http):
+    two = ('<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+           '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>')
+    body = {"messages": MSG, "tools": TOOLS, "guided_choice": [two], **SAMPLED, "max_tokens": 300}
+    calls = http.post(CHAT, json=body).json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["zone"] for c in calls] == ["utc", "cet"]
+    body["parallel_tool_calls"] = False
+    calls = http.post(CHAT, json=body).json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["zone"] for c in calls] == ["utc"]
+
+
 def test_auto_without_a_call_is_plain_text(http):
     body = {"messages": MSG, "tools": TOOLS, "guided_choice": ["It is sunny <tool"],
             **SAMPLED}
