@@ -72,10 +72,14 @@ def _short(value: Any) -> str:
 
 
 def _type_tag(part: Any) -> bool:
-    """Whether a location part is pydantic's name of a union member ('str', 'list[int]')
-    rather than a field name or index."""
+    """Whether a location part is pydantic's name of a union member ('str', 'list[int]',
+    'NamedToolChoice') rather than a field name (snake_case, as OpenAI's) or index."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list")
-                                      or "[" in part)
+                                      or "[" in part or part[:1].isupper())
+
+
+def _loc(error: dict) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not _type_tag(p)]
 
 
 def validation_error(exc: ValidationError | RequestValidationError,
@@ -86,13 +90,15 @@ def validation_error(exc: ValidationError | RequestValidationError,
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
+    loc = _loc(first)
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     cause = (first.get("ctx") or {}).get("error")
     if getattr(cause, "param", None):  # a model-level check names its field itself
         return APIError(400, str(cause), param=cause.param)
-    extra = f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    # A union's failure is one error per member at the same place: one problem, not several.
+    others = len({tuple(_loc(e)) for e in errors} - {tuple(loc)})
+    extra = f" ({others} more problems)" if others else ""
     allowed = allowed_range(schema, loc[0]) if schema and len(loc) == 1 and \
         first.get("type") in BOUND_ERRORS else None
     if allowed is not None:

@@ -97,6 +97,7 @@ CASES = {
                                            400, "tool_choice"),
     "template kwargs clash": (CHAT, body(messages=MSG, chat_template_kwargs={"tools": []}),
                               400, "chat_template_kwargs"),
+    "bad tool_choice": (CHAT, body(messages=MSG, tool_choice="bogus"), 400, "tool_choice"),
     "audio part": (CHAT, body(messages=[{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]}]), 400,
         "messages.0.content"),
@@ -161,6 +162,13 @@ def test_error_messages_are_sentences(http, name):
     message = http.post(route, content=raw, headers=JSON).json()["error"]["message"]
     assert "Value error" not in message and "{'" not in message and "[{" not in message
     assert ".str" not in message and "list[" not in message  # pydantic's union member names
+    assert "NamedToolChoice" not in message
+
+
+def test_a_union_failure_is_one_problem(http):
+    err = check_error(http.post(CHAT, json={"messages": MSG, "tool_choice": "bogus"}), 400,
+                      "tool_choice")
+    assert err["message"] == "tool_choice: Input should be 'auto', 'none' or 'required'"
 
 
 def test_image_part_is_named_as_such(http):
