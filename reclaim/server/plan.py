@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -182,36 +183,35 @@ def _truncate(ids: list[int], req: SamplingRequest) -> list[int]:
 
 def _grammar(req: SamplingRequest, grammars: GrammarCompiler,
              tools: ToolPlan | None = None) -> Grammar | None:
-    """The one grammar the request's structured-output fields ask for, if any."""
-    asked: list[tuple[str, Any]] = []
-    rf = req.response_format
-    if rf is not None and rf.type == "json_object":
-        asked.append(("response_format", lambda p: grammars.json_object(p)))
-    elif rf is not None and rf.type == "json_schema":
-        schema, strict = rf.json_schema.json_schema, bool(rf.json_schema.strict)
-        asked.append(("response_format.json_schema.schema",
-                      lambda p: grammars.json_schema(schema, p, strict)))
-    so = req.structured_outputs
-    keys = [("guided_json", req.guided_json, grammars.json_schema),
-            ("guided_regex", req.guided_regex, grammars.regex),
-            ("guided_choice", req.guided_choice, grammars.choice),
-            ("guided_grammar", req.guided_grammar, grammars.grammar)]
-    if so is not None:
-        keys += [("structured_outputs.json", so.json_, grammars.json_schema),
-                 ("structured_outputs.regex", so.regex, grammars.regex),
-                 ("structured_outputs.choice", so.choice, grammars.choice),
-                 ("structured_outputs.grammar", so.grammar, grammars.grammar)]
-        if so.json_object:
-            asked.append(("structured_outputs.json_object", lambda p: grammars.json_object(p)))
-    for name, value, compile_ in keys:
-        if value is not None:
-            asked.append((name, lambda p, v=value, c=compile_: c(v, p)))
-    if tools is not None and tools.mode != "auto":
-        asked.append(("tool_choice", lambda p: grammars.json_schema(tools.schema(req), "tools")))
+    """The one grammar the request's structured-output fields (or tool_choice) ask for, if any."""
+    rf, so = req.response_format, req.structured_outputs
+    g = grammars
+
+    def json_object(_: Any, param: str) -> Grammar:
+        return g.json_object(param)
+
+    # (the field, its value or None when unused, compile(value, field))
+    candidates: list[tuple[str, Any, Callable[[Any, str], Grammar]]] = [
+        ("response_format", rf if rf and rf.type == "json_object" else None, json_object),
+        ("response_format.json_schema.schema", rf.json_schema if rf and rf.type == "json_schema"
+         else None, lambda js, p: g.json_schema(js.json_schema, p, bool(js.strict))),
+        ("guided_json", req.guided_json, g.json_schema),
+        ("guided_regex", req.guided_regex, g.regex),
+        ("guided_choice", req.guided_choice, g.choice),
+        ("guided_grammar", req.guided_grammar, g.grammar),
+        ("structured_outputs.json", so and so.json_, g.json_schema),
+        ("structured_outputs.regex", so and so.regex, g.regex),
+        ("structured_outputs.choice", so and so.choice, g.choice),
+        ("structured_outputs.grammar", so and so.grammar, g.grammar),
+        ("structured_outputs.json_object", (so and so.json_object) or None, json_object),
+        ("tool_choice", tools if tools and tools.mode != "auto" else None,
+         lambda t, _: g.json_schema(t.schema(req), "tools")),
+    ]
+    asked = [c for c in candidates if c[1] is not None]
     if len(asked) > 1:
         raise APIError(400, f"{asked[0][0]} and {asked[1][0]} both constrain the output; send "
                        f"one of them", param=asked[1][0])
-    return asked[0][1](asked[0][0]) if asked else None
+    return asked[0][2](asked[0][1], asked[0][0]) if asked else None
 
 
 def _expand(kind: Literal["chat", "completion"], prefix: str, req: SamplingRequest,
