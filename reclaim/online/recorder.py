@@ -355,18 +355,20 @@ def reuse_loss(model: torch.nn.Module, records: Sequence[PromptRecord],
                 "optimizer step): a record is exact only for the weights version that made it; "
                 "use record.detached() for an inexact step")
     device = records[0].device
-    first = torch.tensor([resp[0] for resp in responses], device=device)
     h = torch.cat([r.hidden() for r in records])  # [B, 1, H]
-    loss = F.cross_entropy(model.lm_head(h)[:, 0].float(), first, reduction="sum")
     lengths = [len(resp) - 1 for resp in responses]
     t = max(lengths)
     if t > 0:
         ids = _pad([resp[:-1] for resp in responses], 0, device)
-        labels = _pad([resp[1:] for resp in responses], IGNORE, device)
         cache = PrefixCache(records, lengths, t, model.config.sliding_window)
-        logits = model(ids, cache.positions, cache).logits
-        loss = loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                                      reduction="sum")
+        hidden = model(ids, cache.positions, cache, return_hidden=True, compute_logits=False).hidden
+        h = torch.cat([h, hidden], dim=1)
+    # one head over [last prompt position, response positions]: one weight-gradient product
+    # instead of a rank-1 one per sample (as slow as a full one on CPU)
+    logits = model.lm_head(h).float()
+    labels = _pad(responses, IGNORE, device)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
     return loss, sum(len(resp) for resp in responses)
 
 
