@@ -9,6 +9,7 @@ defines are ignored, as vLLM and OpenAI's SDKs expect.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -61,14 +62,8 @@ class FieldError(ValueError):
 def _refuse(extra: dict[str, Any] | None, table: dict[str, tuple]) -> None:
     for key, value in (extra or {}).items():
         if key in table and value is not None and value not in table[key]:
-            neutral = " or send " + " / ".join(_json(v) for v in table[key]) if table[key] else ""
+            neutral = " or send " + " / ".join(json.dumps(v) for v in table[key]) if table[key] else ""
             raise FieldError(key, f"{key} is not supported by this server; omit it{neutral}")
-
-
-def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 class StreamOptions(BaseModel):
