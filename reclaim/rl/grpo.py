@@ -59,6 +59,7 @@ class GRPOConfig:
     model: str | None = None  # HF directory; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"
     device: str = "cpu"
+    threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
     task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, or "all"
     dataset: str | None = None  # JSON lines {"prompt": str | messages, "answer": ..., ...}; replaces task
@@ -125,6 +126,8 @@ class GRPOConfig:
                              f"completions per step must be a multiple of num_generations={self.num_generations}")
         if not 0 < self.temperature <= 100 or not 0 < self.top_p <= 1:
             raise ValueError(f"need 0 < temperature <= 100 and 0 < top_p <= 1; got {self.temperature}, {self.top_p}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
         if not 0 <= self.warmup_ratio < 1:
@@ -383,13 +386,16 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
     t0 = time.perf_counter()
     outs = engine.generate(ids, params)
     rollout_s = time.perf_counter() - t0
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} rollout request(s) failed in the engine, e.g. {failed[0].error}")
     completions = [list(o.token_ids) for o in outs]
     mask = completion_mask(completions)
     truncated = torch.tensor([not (c and c[-1] in eos) for c in completions])
     if cfg.mask_truncated_completions:
         mask = mask * (~truncated).float()[:, None]
     rep = [r for r in rows for _ in range(g)]
-    columns = {k: [r[k] for r in rep] for k in rep[0] if k != "prompt"}
+    columns = {k: [r.get(k) for r in rep] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"}
     texts = [[{"role": "assistant", "content": o.text}] for o in outs]
     state = SimpleNamespace(global_step=step, max_steps=cfg.max_steps)
     per_func = score(reward_funcs, reward_names, [r["prompt"] for r in rep], texts, completions, columns,
@@ -489,6 +495,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     from reclaim.models.tokenizer import encode_chat
 
     t_start = time.perf_counter()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     rows = build_dataset(cfg)
     reward_funcs = [load_reward(spec) for spec in cfg.reward_funcs]

@@ -256,11 +256,28 @@ def test_resume_inside_an_iterated_rollout_with_kl(tiny_model_dir, tmp_path, one
     _assert_same_run(a, b, 3)
 
 
-def test_a_raising_reward_stops_the_run_with_its_name(tiny_model_dir, tmp_path, one_thread):
-    (tmp_path / "bad.py").write_text("def boom(prompts, completions, completion_ids, **kw):\n"
-                                     "    return [1 / 0 for _ in completions]\n")
-    r = CliRunner().invoke(_app(), ["grpo", "--config", "grpo-tiny", "--model", str(tiny_model_dir),
-                                    "--output_dir", str(tmp_path / "run"), "--reward_funcs", f"[{tmp_path}/bad.py:boom]"])
+def test_a_raising_reward_stops_the_run_with_its_name_and_the_checkpoint_stays(tiny_model_dir, tmp_path, one_thread):
+    """The reward raises from step 2 on: the run stops naming it and the sample; checkpoint-1 loads and resumes."""
+    (tmp_path / "bad.py").write_text("def boom(prompts, completions, completion_ids, trainer_state, **kw):\n"
+                                     "    return [1 / (1 - trainer_state.global_step) for _ in completions]\n")
+    out = tmp_path / "run"
+    base = ["grpo", "--config", "grpo-tiny", "--model", str(tiny_model_dir), "--output_dir", str(out)]
+    r = CliRunner().invoke(_app(), base + ["--reward_funcs", f"[{tmp_path}/bad.py:boom]"])
     assert r.exit_code == 1
     assert "reward function 'boom' raised ZeroDivisionError: division by zero on sample 0 (prompt 'Compute" in r.output
-    assert not checkpoints(tmp_path / "run")
+    assert [p.name for p in checkpoints(out)] == ["checkpoint-1"]
+    r = CliRunner().invoke(_app(), base + ["--resume", "--reward_funcs", "[format]"])
+    assert r.exit_code == 0, r.output
+    assert [p.name for p in checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+
+
+@pytest.mark.slow
+def test_the_bundled_smollm2_config_runs_a_step(default_model_dir, tmp_path):
+    """The documented config on the real model, shrunk to one short step."""
+    r = CliRunner().invoke(_app(), ["grpo", "--config", "grpo-smollm2", "--output_dir", str(tmp_path / "run"),
+                                    "--max_steps", "1", "--max_completion_length", "8", "--num_generations", "2",
+                                    "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"])
+    assert r.exit_code == 0, r.output
+    rec = _records(tmp_path / "run" / "log.jsonl")[0]
+    assert rec["rollout_tokens"] > 0 and rec["completions/max_length"] <= 8
+    assert (tmp_path / "run" / "checkpoint-1" / "model.safetensors").exists()
