@@ -105,6 +105,8 @@ class GRPOConfig:
     resume_from_checkpoint: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
+            self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         choices = [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("lr_scheduler_type", SCHEDULES),
                    ("dtype", ("float32", "bfloat16", "float16"))]

@@ -155,6 +155,7 @@ def test_bad_config_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="2 reward_weights for 1 reward_funcs"):
         load_config(GRPOConfig, None, {"reward_funcs": ["accuracy"], "reward_weights": [1.0, 2.0]})
     assert load_config(GRPOConfig, None, {"scale_rewards": False}).scale_rewards == "none"
+    assert load_config(GRPOConfig, None, ["--scale_rewards", "true"]).scale_rewards == "group"
     for name in ("grpo-smollm2", "grpo-tiny"):  # the bundled configs load
         assert load_config(GRPOConfig, name).max_steps >= 1
     r = CliRunner().invoke(_app(), ["grpo", "--config", str(bad)])
