@@ -253,6 +253,8 @@ class _capture:
         return hook
 
     def pack(self, t: torch.Tensor):
+        if not t.is_floating_point():
+            return t  # token ids: a few bytes, not worth moving
         ptr = _storage_key(t)
         if ptr in self.own:
             return (t, t._version)  # hooks turn off autograd's own in-place check: keep ours
@@ -269,6 +271,8 @@ class _capture:
     def unpack(x):
         if isinstance(x, SavedTensor):
             return x.get()
+        if isinstance(x, torch.Tensor):
+            return x
         t, version = x
         if t._version != version:
             raise RuntimeError(
