@@ -26,6 +26,7 @@ class RequestState:
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., as prefill computes them
+    prompt_logprobs_sent: bool = False
     first_version: int | None = None  # weights version of the first output token
     finish_reason: str | None = None
     error: str | None = None
@@ -102,11 +103,13 @@ def output(state: RequestState, new_ids: list[int], new_lps: list[TokenLogprob] 
         num_output_tokens=seq.num_tokens - seq.num_prompt_tokens,
         error=state.error,
     )
+    prefilled = seq.num_computed >= seq.num_prompt_tokens or done
+    if state.prompt_logprobs is not None and prefilled and (done or not state.prompt_logprobs_sent):
+        out.prompt_logprobs = [None, *state.prompt_logprobs]
+        state.prompt_logprobs_sent = True
     if done:
         out.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
         out.token_ids = seq.output_token_ids
         out.text = state.detok.text[: state.detok.emitted]
         out.logprobs = list(state.logprobs) if state.logprobs is not None else None
-        if state.prompt_logprobs is not None:
-            out.prompt_logprobs = [None, *state.prompt_logprobs]
     return out

@@ -108,11 +108,13 @@ class SamplingParams:
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's logprob and the `k` most likely alternatives at that step."""
+    """The chosen token's logprob, its rank (1 = the most likely) and the `k` most likely
+    alternatives at that step."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -137,7 +139,8 @@ class RequestOutput:
     text_offset: int = 0  # characters of text released before delta_text
     num_output_tokens: int = 0
     error: str | None = None  # why the request failed (finish_reason "error"); others go on
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # final output, when asked: [None, ...]
+    # When asked for: [None, ...] on the first output after the prefill and on the final one.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Final output only (None while running):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None

@@ -167,13 +167,15 @@ def sample_each(
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
     """Logprob of each row's chosen token and its `num_top[i]` most likely alternatives."""
     lp = torch.nan_to_num(logits.float(), nan=float("-inf")).log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None]).squeeze(1).tolist()
+    chosen_t = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])
+    ranks = ((lp > chosen_t).sum(-1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     k = max(num_top)
     top_v, top_i = lp.topk(k, -1) if k else (None, None)
     out = []
     for row, (tok, val, n) in enumerate(zip(token_ids, chosen, num_top)):
         top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist())) if n else []
-        out.append(TokenLogprob(tok, val, top))
+        out.append(TokenLogprob(tok, val, top, ranks[row]))
     return out
 
 

@@ -113,6 +113,7 @@ def test_prompt_logprobs_equal_a_full_forward(tiny):
         assert lps[0] is None and len(lps) == len(prompt)
         for j in range(1, len(prompt)):
             assert lps[j].token_id == prompt[j]
+            assert lps[j].rank == int((want[j - 1] > want[j - 1, prompt[j]]).sum()) + 1
             assert lps[j].logprob == pytest.approx(want[j - 1, prompt[j]].item(), abs=1e-4)
             assert [t for t, _ in lps[j].top] == want[j - 1].topk(3).indices.tolist()
 
@@ -131,3 +132,15 @@ def test_processor_values_are_bounded():
                {"min_tokens": 20, "max_tokens": 10}, {"prompt_logprobs": 50}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
+
+
+def test_prompt_logprobs_come_with_the_first_output(tiny):
+    ours, _ = tiny
+    eng = _engine(ours)
+    eng.add_request("r", list(range(20, 31)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                             prompt_logprobs=0))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[0].prompt_logprobs is not None and len(outs[0].prompt_logprobs) == 11
+    assert all(o.prompt_logprobs is None for o in outs[1:-1]) and outs[-1].prompt_logprobs == outs[0].prompt_logprobs
