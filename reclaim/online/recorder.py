@@ -7,8 +7,12 @@ and moved to host memory layer by layer). A training forward over the response a
 the recorded K/V; its backward flows on into the prompt's graph, so the gradient equals one
 forward over prompt + response (`recompute_loss`, logits on response positions only).
 
+A selective record keeps only the outputs of the matrix products and attention (about half the
+bytes) and recomputes the elementwise work in between during the backward; still exact.
+
 A record is exact only for the weights that made it: an optimizer step changes the parameters in
-place, and autograd then refuses the old graph. The planner (trainer.py) never sends one there.
+place, and the recorder then refuses the record (autograd's own check is off under saved-tensor
+hooks, so it keeps one). The planner (trainer.py) never sends one there.
 
     rec = record_prompt(model, prompt_ids, response_id="r1", version=0)
     loss, n = reuse_loss(model, [rec], [response_ids])      # == recompute_loss(model, [prompt_ids], ...)
