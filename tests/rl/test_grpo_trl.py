@@ -1,6 +1,7 @@
-"""The GRPO loss and its gradient equal TRL's: TRL's own GRPOTrainer._compute_loss runs on a
-transformers twin of the tiny policy (same weights), on the same batch, for each loss_type, with
-and without the KL term and with old-policy log-probs that make clipping active."""
+"""GRPO against TRL's own code. The loss and its gradient: TRL's GRPOTrainer._compute_loss runs on
+a transformers twin of the tiny policy (same weights), on the same batch, for each loss_type, with
+and without the KL term and with old-policy log-probs that make clipping active. The advantages:
+TRL's _generate_and_score_completions scores fixed completions, for each scale_rewards."""
 
 from __future__ import annotations
 
@@ -34,13 +35,14 @@ def setup(tmp_path_factory):
     return ours, str(path), tok, Dataset.from_dict({"prompt": ["a b"] * 8})
 
 
-def _trl_trainer(setup, tmp_path, **kw):
+def _trl_trainer(setup, tmp_path, reward_funcs=None, **kw):
     _, hf, tok, data = setup
     args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                           max_completion_length=MAX_COMPLETION_LENGTH, gradient_accumulation_steps=GA,
                           temperature=TEMPERATURE, report_to="none", use_cpu=True, bf16=False,
                           gradient_checkpointing=False, **kw)
-    trainer = trl.GRPOTrainer(model=hf, reward_funcs=[lambda completions, **k: [0.0] * len(completions)],
+    zero = [lambda completions, **k: [0.0] * len(completions)]
+    trainer = trl.GRPOTrainer(model=hf, reward_funcs=reward_funcs or zero,
                               args=args, train_dataset=data, processing_class=tok)
     trainer.current_gradient_accumulation_steps = GA
     trainer.model.train()
@@ -105,3 +107,28 @@ def test_loss_and_gradient_equal_trls(setup, tmp_path, loss_type, case, one_thre
     theirs = dict(model.named_parameters())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, theirs[name].grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_equal_trls(setup, tmp_path, scale_rewards, one_thread):
+    """TRL scores fixed completions (its generation replaced) with two weighted reward functions,
+    one of which leaves some completions unscored (None); the advantages it trains on equal ours."""
+    from reclaim.rl.grpo import group_advantages
+
+    nan = float("nan")  # the reward functions below return None there
+    table = torch.tensor([[1.0, 0.5], [0.0, nan], [2.0, 1.0], [2.0, 1.0], [0.0, 0.0], [1.0, nan],
+                          [nan, nan], [3.0, 0.0]])
+
+    def reward(j):
+        def fn(prompts, completions, completion_ids, **kw):
+            vals = [table[c[0] - 40, j].item() for c in completion_ids]
+            return [None if v != v else v for v in vals]
+        fn.__name__ = f"r{j}"
+        return fn
+
+    trainer = _trl_trainer(setup, tmp_path, reward_funcs=[reward(0), reward(1)], loss_type="dapo",
+                           scale_rewards=scale_rewards, reward_weights=[1.0, 0.5])
+    trainer._generate_single_turn = lambda prompt_ids, *a, **k: ([[40 + i, 41] for i in range(len(prompt_ids))], None)
+    out = trainer._generate_and_score_completions([{"prompt": f"a b {i // 2}"} for i in range(8)])
+    ours, _, _ = group_advantages(table, torch.tensor([1.0, 0.5]), 2, scale_rewards)
+    torch.testing.assert_close(ours, out["advantages"].float(), atol=1e-6, rtol=1e-5)
