@@ -106,6 +106,26 @@ def test_reuse_trains_like_recompute_and_stale_evicted_or_missing_records_are_re
     assert a.feedback.pending() == [] and b.feedback.pending() == []
 
 
+@pytest.mark.parametrize("kind", ["offloaded", "selective"])
+def test_offloaded_and_selective_records_train_exactly(tmp_path, kind):
+    a = trainer(tmp_path, "a", tiny_model(), RecordStore(), "reuse")
+    b = trainer(tmp_path, "b", tiny_model(), RecordStore(), "recompute")
+    recs = [record_prompt(a.model, a.feedback.response(f"r{i}").prompt_ids, response_id=f"r{i}",
+                          version=0, selective=kind == "selective") for i in range(3)]
+    size = recs[0].nbytes
+    a.store = RecordStore(size if kind == "offloaded" else 10 * size, 10 * size)
+    for r in recs:
+        a.store.put(r)
+    assert a.store.metrics()["offloads"] == (2 if kind == "offloaded" else 0)
+    for t in (a, b):
+        for i in range(3):
+            t.feedback.append(f"r{i}", 1)
+    step = a.train_step()
+    b.train_step()
+    assert [d["reason"] for d in step["decisions"]] == ["record"] * 3
+    assert rel_err(grads(a.model), grads(b.model)) <= 1e-5
+
+
 def test_stale_records_reused_with_max_staleness_stop_at_the_prompt(tmp_path):
     a = trainer(tmp_path, "a", tiny_model(), RecordStore(), "reuse", max_staleness=1)
     r = a.feedback.response("r0")
