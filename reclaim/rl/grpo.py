@@ -124,7 +124,8 @@ class GRPOConfig:
             raise ValueError(f"num_generations must be >= 2 (advantages compare completions of a prompt), "
                              f"got {self.num_generations}")
         if self.generation_batch_size % self.num_generations:
-            raise ValueError(f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} "
+            raise ValueError(f"per_device_train_batch_size * gradient_accumulation_steps = "
+                             f"{self.generation_batch_size} "
                              f"completions per step must be a multiple of num_generations={self.num_generations}")
         if not 0 < self.temperature <= 100 or not 0 < self.top_p <= 1:
             raise ValueError(f"need 0 < temperature <= 100 and 0 < top_p <= 1; got {self.temperature}, {self.top_p}")
@@ -307,11 +308,12 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
 
     logps, old_logps, ref_logps, mask: [B, C]; advantages [B]. old_logps None: the ratio is 1
     (num_iterations = 1). With beta > 0 each token adds beta * k3 KL to the reference,
-    exp(ref - logp) - (ref - logp) - 1, times the ratio if use_bias_correction_kl. The loss is already divided for gradient accumulation: summed over the
-    step's micro-batches it is the step's loss. grpo: mean over sequences of each one's token mean;
-    bnpo: the micro-batch's token mean; dr_grpo: token sum / (B * max_completion_length); dapo:
-    token sum / num_items_in_batch, the completion tokens of the whole step.
-    Also returns sums for metrics: masked sums of kl, low/high/region clipping, and the token count."""
+    exp(ref - logp) - (ref - logp) - 1, times the ratio if use_bias_correction_kl. The loss is
+    already divided for gradient accumulation: summed over the step's micro-batches it is the
+    step's loss. grpo: mean over sequences of each one's token mean; bnpo: the micro-batch's token
+    mean; dr_grpo: token sum / (B * max_completion_length); dapo: token sum / num_items_in_batch,
+    the completion tokens of the whole step. Also returns masked sums for metrics: kl,
+    low/high/region clipping, and the token count."""
     adv = advantages[:, None]
     old = logps.detach() if old_logps is None else old_logps
     coef_1 = torch.exp(logps - old)

@@ -161,6 +161,7 @@ def score(funcs: Sequence[RewardFunc], names: Sequence[str], prompts: list, comp
             elif isinstance(v, numbers.Real) and math.isfinite(v):
                 out[i, j] = float(v)
             else:
-                raise RewardError(f"reward function {name!r} returned {v!r} for {_sample(i, prompts, completions, columns)}; "
+                where = _sample(i, prompts, completions, columns)
+                raise RewardError(f"reward function {name!r} returned {v!r} for {where}; "
                                   "rewards are finite floats or None")
     return out

@@ -128,13 +128,15 @@ def test_reward_errors_name_the_function_and_the_sample(tmp_path):
         score([lambda **kw: [0.0, 1.0]], ["short"], prompts, comps, [[1], [2], [3]], cols)
     with pytest.raises(RewardError, match=r"'nan' returned nan for sample 0"):
         score([lambda **kw: [math.nan] * 3], ["nan"], prompts, comps, [[1], [2], [3]], cols)
-    assert score([lambda **kw: [None, 1, True]], ["ok"], prompts, comps, [[1], [2], [3]], cols)[:, 0].tolist()[1:] == [1, 1]
+    ok = score([lambda **kw: [None, 1, True]], ["ok"], prompts, comps, [[1], [2], [3]], cols)[:, 0]
+    assert math.isnan(ok[0]) and ok[1:].tolist() == [1, 1]  # None is NaN (unscored); bools count as numbers
     with pytest.raises(RewardError, match="'nope' is unknown; give a built-in"):
         load_reward("nope")
     with pytest.raises(RewardError, match="file 'missing.py' does not exist"):
         load_reward("missing.py:f")
     f = tmp_path / "r.py"
-    f.write_text("def length(prompts, completions, completion_ids, **kw):\n    return [float(len(c)) for c in completion_ids]\n")
+    f.write_text("def length(prompts, completions, completion_ids, **kw):\n"
+                 "    return [float(len(c)) for c in completion_ids]\n")
     assert load_reward(f"{f}:length")([], [], [[1, 2]]) == [2.0]
     with pytest.raises(RewardError, match="'other' is not a function"):
         load_reward(f"{f}:other")

@@ -89,7 +89,8 @@ def test_loss_and_gradient_equal_trls(setup, tmp_path, loss_type, case, one_thre
     logps, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE)
     loss, sums = grpo_loss(logps, advantages, mask, loss_type=loss_type, epsilon_low=eps,
                            epsilon_high=eps if eps_high is None else eps_high, beta=beta, old_logps=old,
-                           ref_logps=ref, use_bias_correction_kl=corrected, max_completion_length=MAX_COMPLETION_LENGTH, num_items_in_batch=num_items,
+                           ref_logps=ref, use_bias_correction_kl=corrected,
+                           max_completion_length=MAX_COMPLETION_LENGTH, num_items_in_batch=num_items,
                            gradient_accumulation_steps=GA)
     loss.backward()
 
