@@ -282,6 +282,10 @@ class OnlineTrainer:
                 rec, status = self.store.take(s.response_id, self.version, self.cfg.max_staleness)
                 if rec is None:  # gone since planning
                     decisions[i] = d = replace(d, action="recompute", reason=status)
+                elif rec.prompt_ids != s.prompt_ids:
+                    raise ValueError(f"the record for {s.response_id!r} was made from another "
+                                     "prompt than the one logged for it; records must be made "
+                                     "from the served prompt")
             elif d.reason == "stale" and infos[i].status == "present":
                 self.store.take(s.response_id, self.version, self.cfg.max_staleness)  # counted
             elif infos[i].status == "present":
