@@ -464,7 +464,7 @@ def grpo(
         raise typer.BadParameter(str(e)) from e
     try:
         summary = train(cfg, log=typer.echo)
-    except RewardError as e:
+    except (RewardError, ValueError, FileNotFoundError) as e:  # a bad reward, dataset, model or resume
         typer.echo(f"Error: {e}", err=True)
         raise typer.Exit(1) from e
     last = summary["last"] or {}

@@ -162,6 +162,8 @@ def test_bad_config_is_refused_by_name(tmp_path):
         assert load_config(GRPOConfig, name).max_steps >= 1
     r = CliRunner().invoke(_app(), ["grpo", "--config", str(bad)])
     assert r.exit_code == 2 and "num_generation" in r.output
+    r = CliRunner().invoke(_app(), ["grpo", "--config", "grpo-tiny", "--output_dir", str(tmp_path / "none"), "--resume"])
+    assert r.exit_code == 1 and "has no checkpoint-* directory" in r.output
 
 
 def test_dataset_rows_carry_the_answer():
