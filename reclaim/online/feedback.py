@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 RATINGS = (-1, 0, 1)
+PENDING = "trained_at_step IS NULL AND (rating = 1 OR correction IS NOT NULL)"  # trainable, untrained
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -169,11 +170,15 @@ class FeedbackLog:
     def pending(self, limit: int | None = None) -> list[Feedback]:
         """Trainable feedback not yet trained, oldest first."""
         sql = ("SELECT id, response_id, rating, correction, trained_at_step FROM feedback "
-               "WHERE trained_at_step IS NULL AND (rating = 1 OR correction IS NOT NULL) ORDER BY id")
+               f"WHERE {PENDING} ORDER BY id")
         with self.lock:
             rows = self.db.execute(sql + (" LIMIT ?" if limit else ""),
                                    (limit,) if limit else ()).fetchall()
         return [Feedback(*r) for r in rows]
+
+    def pending_count(self) -> int:
+        with self.lock:
+            return self.db.execute(f"SELECT COUNT(*) FROM feedback WHERE {PENDING}").fetchone()[0]
 
     def all(self) -> list[Feedback]:
         with self.lock:

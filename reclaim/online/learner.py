@@ -82,7 +82,7 @@ class OnlineLearner:
         store's records, bytes, hits, misses, evictions, stale."""
         tps = self.train_tokens / self.train_seconds if self.train_seconds else 0.0
         out = {"version": self.version, "train_tokens": self.train_tokens,
-               "train_tokens_per_s": tps, "pending_feedback": len(self.log.pending())}
+               "train_tokens_per_s": tps, "pending_feedback": self.log.pending_count()}
         out.update({f"train_{k}": v for k, v in self.trainer.metrics().items()})
         out.update({f"record_{k}": v for k, v in self.store.metrics().items()})
         return out

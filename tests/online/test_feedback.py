@@ -36,7 +36,7 @@ def test_pending_is_trainable_untrained_feedback_oldest_first(log):
     log.append("r1", 0)  # so is a neutral one
     c = log.append("r1", -1, "the corrected answer")
     assert [f.id for f in log.pending()] == [a, c]
-    assert [f.id for f in log.pending(limit=1)] == [a]
+    assert [f.id for f in log.pending(limit=1)] == [a] and log.pending_count() == 2
     log.mark_trained([a], step=1)
     assert [f.id for f in log.pending()] == [c] and log.get(a).trained_at_step == 1
     with pytest.raises(ValueError, match=rf"already trained \(id, step\): \[\({a}, 1\)\]"):
