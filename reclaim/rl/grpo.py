@@ -100,6 +100,7 @@ class GRPOConfig:
     max_steps: int = 100
     seed: int = 42
     logging_steps: int = 1
+    log_completions: bool = False  # each rollout's prompts, completions, rewards -> output_dir/completions.jsonl
     save_steps: int = 500  # 0: only at the end
     save_total_limit: int | None = None
     resume_from_checkpoint: bool = False
@@ -379,8 +380,10 @@ def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, size: int, tempe
 
 
 def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], step: int, cfg: GRPOConfig,
-            reward_funcs: Sequence[Callable], reward_names: Sequence[str], eos: set[int]) -> RolloutBatch:
-    """Sample num_generations completions per prompt on the engine and score them."""
+            reward_funcs: Sequence[Callable], reward_names: Sequence[str], eos: set[int],
+            completions_log: Path | None = None) -> RolloutBatch:
+    """Sample num_generations completions per prompt on the engine and score them (and append
+    them to `completions_log`, JSON lines, if given)."""
     from reclaim.engine.request import SamplingParams
 
     g = cfg.num_generations
@@ -417,6 +420,12 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
     for j, name in enumerate(reward_names):
         metrics[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, j]).item()
         metrics[f"rewards/{name}/std"] = _nanstd(per_func[:, j]).item()
+    if completions_log is not None:
+        with open(completions_log, "a") as f:
+            for i, r in enumerate(rep):
+                f.write(json.dumps({"step": step + 1, "prompt": r["prompt"][-1]["content"], "completion": outs[i].text,
+                                    "rewards": dict(zip(reward_names, per_func[i].tolist())),
+                                    "advantage": adv[i].item()}) + "\n")
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(request_seed(cfg.seed, step, -1)))
     return RolloutBatch(ids, completions, mask, adv, order.tolist(), metrics=metrics)
 
@@ -537,7 +546,7 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
     step, history, window, batch = 0, [], [], None
-    log_path = out / "log.jsonl"
+    log_path, completions_log = out / "log.jsonl", out / "completions.jsonl"
     if last is not None:
         state = json.loads((last / "trainer_state.json").read_text())
         step, history, window = state["global_step"], state["log_history"], state["log_window"]
@@ -549,8 +558,10 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
         if (last / "rollout.pt").exists():
             batch = RolloutBatch(**torch.load(last / "rollout.pt", weights_only=False))
         _trim_log(log_path, step)
-    elif log_path.exists():
-        log_path.unlink()  # a fresh run starts a fresh log
+        _trim_log(completions_log, step)
+    else:  # a fresh run starts fresh logs
+        log_path.unlink(missing_ok=True)
+        completions_log.unlink(missing_ok=True)
     config_dict = dataclasses.asdict(cfg)
     (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
 
@@ -563,7 +574,7 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
         if step % cfg.num_iterations == 0 or batch is None:
             idx = prompt_rows(len(rows), per_step, step // cfg.num_iterations, cfg.seed)
             batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg,
-                            reward_funcs, reward_names, eos)
+                            reward_funcs, reward_names, eos, completions_log if cfg.log_completions else None)
             if cfg.num_iterations > 1:
                 batch.old_logps = _chunked_logps(model, batch, cfg.per_device_train_batch_size, cfg.temperature)
             if ref is not None:

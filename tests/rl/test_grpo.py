@@ -208,7 +208,8 @@ def _assert_same_run(a, b, step):
 
 def test_cli_runs_checkpoints_and_resumes_like_an_uninterrupted_run(tiny_model_dir, tmp_path, one_thread):
     (tmp_path / "even.py").write_text(REWARD_FILE)
-    funcs = ["--reward_funcs", f"[{tmp_path / 'even.py'}:even, format]", "--reward_weights", "[1.0, 0.5]"]
+    funcs = ["--reward_funcs", f"[{tmp_path / 'even.py'}:even, format]", "--reward_weights", "[1.0, 0.5]",
+             "--log_completions"]
     base = ["grpo", "--config", "grpo-tiny", "--model", str(tiny_model_dir), *funcs]
     out = tmp_path / "run"
     r = CliRunner().invoke(_app(), base + ["--output_dir", str(out)])
@@ -229,12 +230,16 @@ def test_cli_runs_checkpoints_and_resumes_like_an_uninterrupted_run(tiny_model_d
     from reclaim.models.loading import load_model
 
     load_model(ck)  # an HF directory reclaim (and transformers) load
+    logged = _records(out / "completions.jsonl")  # 4 completions per step
+    assert [x["step"] for x in logged] == [1] * 4 + [2] * 4 and set(logged[0]["rewards"]) == {"even", "format"}
+    assert logged[0]["prompt"].startswith("Compute") and isinstance(logged[0]["completion"], str)
     r = CliRunner().invoke(_app(), base + ["--output_dir", str(out), "--resume", "--max_steps", "3"])
     assert r.exit_code == 0, r.output
     whole = tmp_path / "whole"
     r = CliRunner().invoke(_app(), base + ["--output_dir", str(whole), "--max_steps", "3"])
     assert r.exit_code == 0, r.output
     _assert_same_run(whole, out, 3)
+    assert (out / "completions.jsonl").read_text() == (whole / "completions.jsonl").read_text()
     assert not _weights(out / "checkpoint-3")["model.embed_tokens.weight"].equal(
         _weights(out / "checkpoint-1")["model.embed_tokens.weight"])  # it trained
 
