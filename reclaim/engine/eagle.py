@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reclaim.engine.sampling import probs
+from reclaim.engine.sampling import keyed_uniform, probs, sample
 from reclaim.engine.speculative import Draft, DraftRequest
 from reclaim.models.cache import DenseCache
 from reclaim.models.drafter import EagleDrafter, draft_head, load_drafter
@@ -146,6 +146,8 @@ class EagleProposer:
             logits, ids = self._logits(g[None])
             if r.params.greedy:
                 tok = int(logits[0].argmax())
+            elif r.params.seed is not None:  # coupled with the keyed draw the target will make
+                tok = sample(logits, [r.params], [keyed_uniform(r.params.seed, len(r.token_ids) + j)])[0]
             else:
                 q = probs(logits, [r.params])[0]
                 tok = int(torch.multinomial(q.float(), 1, generator=r.generator).item())

@@ -28,9 +28,10 @@ from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
 from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from reclaim.engine.runner import ModelRunner, Row
-from reclaim.engine.sampling import make_generator, process_logits, sample_each, token_logprobs
+from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
 from reclaim.engine.speculative import (
-    Draft, Drafter, DraftRequest, SpeculativeConfig, accept, accept_tree, make_drafter,
+    Draft, Drafter, DraftRequest, SpeculativeConfig, accept, accept_keyed, accept_tree, accept_tree_keyed,
+    make_drafter,
 )
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 from reclaim.models.llama import ForwardOutput
@@ -326,7 +327,7 @@ class Engine:
             plain = [j for j in plain if j in rows_x]
             if plain:
                 got = sample_each(torch.stack([rows_x[j] for j in plain]), [reqs[j].seq.params for j in plain],
-                                  [reqs[j].generator for j in plain], self.generator)
+                                  [self._randomness(reqs[j]) for j in plain], self.generator)
                 for j, t in zip(plain, got):
                     chosen[j] = t if isinstance(t, Exception) else [t]
             for j, i in enumerate(sampling):
@@ -363,6 +364,13 @@ class Engine:
             self.num_recorded += 1
             out[seq.request_id] = hidden.detach().to(self.device).reshape(p, -1)
         return out
+
+    @staticmethod
+    def _randomness(req: RequestState):
+        """A seeded request draws its next token with the uniform keyed by (seed, position), so
+        its output is the same with or without speculation; others use their generator."""
+        seed = req.seq.params.seed
+        return req.generator if seed is None else keyed_uniform(seed, req.seq.num_tokens)
 
     def _processed(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
         """A row's logits after its logits processors and constraint (as is when it has none)."""
@@ -403,11 +411,15 @@ class Engine:
                 hidden: torch.Tensor) -> list[int] | Exception:
         """Accept a prefix of the draft (lossless rule); roll the cache back over the rest."""
         try:
+            keyed = req.seq.params.seed is not None and not req.seq.params.greedy
+            position = req.seq.num_tokens  # of the first token this verification chooses
             if draft.parents is None:
-                tokens = accept(logits, draft, req.seq.params, req.generator, self.generator)
+                tokens = (accept_keyed(logits, draft, req.seq.params, position) if keyed else
+                          accept(logits, draft, req.seq.params, req.generator, self.generator))
                 path = list(range(len(tokens) - 1))
             else:
-                tokens, path = accept_tree(logits, draft, req.seq.params, req.generator, self.generator)
+                tokens, path = (accept_tree_keyed(logits, draft, req.seq.params, position) if keyed else
+                                accept_tree(logits, draft, req.seq.params, req.generator, self.generator))
                 self.runner.move_kv(req.seq.request_id, [chunk.start + 1 + i for i in path],
                                     [chunk.start + 1 + j for j in range(len(path))])
         except Exception as exc:  # noqa: BLE001 - this request alone fails

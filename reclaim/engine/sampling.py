@@ -121,20 +121,38 @@ def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return out
 
 
-def uniforms(rows: list[int], generators: list[torch.Generator | None], fallback: torch.Generator | None,
+MASK64 = (1 << 64) - 1
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, position) (splitmix64 of both).
+
+    A seeded request draws the token at position i with keyed_uniform(seed, i), so its output
+    does not depend on how many numbers were drawn before: speculative decoding, which verifies
+    several positions at once, then reproduces plain sampling exactly (see speculative.py).
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((x ^ (x >> 31)) >> 11) / float(1 << 53)
+
+
+def uniforms(rows: list[int], sources: list, fallback: torch.Generator | None,
              device: torch.device) -> torch.Tensor:
-    """One uniform in [0, 1) per row, each from that row's generator (or the fallback)."""
-    return torch.tensor([torch.rand((), generator=generators[i] or fallback).item() for i in rows],
-                        device=device, dtype=torch.float64)
+    """One uniform in [0, 1) per row: the row's own float if it has one, else a draw from its
+    generator (or the fallback)."""
+    return torch.tensor([s if isinstance(s, float) else torch.rand((), generator=s or fallback).item()
+                         for s in (sources[i] for i in rows)], device=device, dtype=torch.float64)
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list,
     fallback: torch.Generator | None = None,
 ) -> list[int]:
-    """Next token per row of `logits` [B, V]. Rows without a generator use `fallback`."""
+    """Next token per row of `logits` [B, V]. `generators[i]` is row i's randomness: a
+    generator, a fixed uniform (float, e.g. `keyed_uniform`) or None for `fallback`."""
     tokens = sanitize(logits).argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -147,7 +165,7 @@ def sample(
 def sample_each(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list,
     fallback: torch.Generator | None = None,
 ) -> list[int | Exception]:
     """`sample`, but a row whose sampling fails gets its exception instead of a token, and the

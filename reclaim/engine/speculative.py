@@ -8,6 +8,12 @@ temperature, top-k, top-p, min-p), q the drafter's (one-hot for a deterministic 
 output is distributed exactly as plain sampling of the target (Leviathan et al. 2023, Chen et al.
 2023). Greedy rows accept while d_i is the target's argmax, so their output equals plain greedy.
 
+Seeded requests go further: plain sampling draws the token at position i with a uniform keyed by
+(seed, i) (sampling.keyed_uniform), and `accept_keyed` draws each verified position exactly so,
+accepting d_i while it equals that draw. The output is then not just distributed as plain
+sampling but identical to it, whatever was drafted (RL rollouts stay reproducible with
+speculation on or off, on any number of workers).
+
 Drafters share one small interface: `propose` returns each sequence's draft tokens (and q),
 `observe` is handed the target's final hidden states of every position it computed and kept
 (EAGLE drafts from them), `release` forgets a sequence.
@@ -21,7 +27,7 @@ from typing import Protocol
 import torch
 
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.sampling import probs, sanitize
+from reclaim.engine.sampling import keyed_uniform, probs, sanitize
 
 SPECULATIVE_METHODS = ("ngram", "eagle")
 
@@ -206,6 +212,47 @@ def accept(
             residual = p[i]
         return out + [_draw(residual / residual.sum(), generator, fallback)]
     return out + [_draw(p[n], generator, fallback)]
+
+
+def _keyed_draws(logits: torch.Tensor, params: SamplingParams, first_position: int) -> list[int]:
+    """The tokens plain sampling draws from each row of `logits` ([K, V]) for a seeded request,
+    row k being the token at first_position + k."""
+    from reclaim.engine.sampling import sample
+
+    k = logits.shape[0]
+    us = [keyed_uniform(params.seed, first_position + i) for i in range(k)]
+    return sample(logits, [params] * k, us)
+
+
+def accept_keyed(logits: torch.Tensor, draft: Draft, params: SamplingParams, position: int) -> list[int]:
+    """Verify a chain for a seeded request: the tokens plain sampling draws at each position
+    (keyed uniforms), kept while the draft agrees; identical to plain decoding's output."""
+    n = len(draft.tokens)
+    target = _keyed_draws(logits[: n + 1], params, position)
+    out = []
+    for d, t in zip(draft.tokens, target):
+        if d != t:
+            break
+        out.append(d)
+    return out + [target[len(out)]]
+
+
+def accept_tree_keyed(logits: torch.Tensor, draft: Draft, params: SamplingParams,
+                      position: int) -> tuple[list[int], list[int]]:
+    """Verify a tree for a seeded request: at each node the token plain sampling draws there;
+    follow the child that drafted it, else stop with it. Identical to plain decoding's output."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(draft.parents or []):
+        children.setdefault(parent, []).append(i)
+    node, row, path, out = -1, 0, [], []
+    while True:
+        tok = _keyed_draws(logits[row: row + 1], params, position + len(out))[0]
+        nxt = next((k for k in children.get(node, []) if draft.tokens[k] == tok), None)
+        out.append(tok)
+        if nxt is None:
+            return out, path
+        path.append(nxt)
+        node, row = nxt, nxt + 1
 
 
 def accept_tree(
