@@ -40,7 +40,10 @@ from typing import Any
 
 import torch
 
+from reclaim.engine.speculative import SpeculativeConfig
+from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
+from reclaim.rl.rollout import AdaptiveRollout
 from reclaim.schedule import SCHEDULES, lr_scheduler
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -104,6 +107,14 @@ class GRPOConfig:
     save_steps: int = 500  # 0: only at the end
     save_total_limit: int | None = None
     resume_from_checkpoint: bool = False
+    # Rollouts with speculative decoding in the long tail (TLT). Lossless, and with the per-request
+    # seeds the completions are identical with it on or off: only the rollout time changes.
+    speculative: str = "none"  # none | ngram | eagle:PATH | eagle (the bundled model's drafter)
+    spec_threshold: int = 4  # speculate only while at most this many sequences are in flight
+    spec_depths: list[int] = field(default_factory=lambda: [2, 4])  # draft depths: the bandit's arms
+    adaptive: bool = True  # a bandit per batch-size bucket picks plain or a depth; False: the deepest
+    bandit_policy: str = "epsilon_greedy"  # or ucb1
+    bandit_epsilon: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
@@ -145,6 +156,13 @@ class GRPOConfig:
             task_names(self.task)  # an unknown task is refused now, not after the model loads
         elif not Path(self.dataset).expanduser().is_file():
             raise ValueError(f"dataset {self.dataset!r} is not a file (JSON lines with 'prompt' and 'answer')")
+        if self.speculative != "none":
+            method = self.speculative.partition(":")[0]
+            if method not in ("ngram", "eagle") or (method == "ngram" and ":" in self.speculative):
+                raise ValueError(f"speculative={self.speculative!r}; allowed: none, ngram, eagle, eagle:PATH")
+            if not self.spec_depths or min(self.spec_depths) < 1 or self.spec_threshold < 1:
+                raise ValueError(f"spec_depths={self.spec_depths}, spec_threshold={self.spec_threshold}: need "
+                                 "depths >= 1 and a threshold >= 1")
         if "{question}" not in self.prompt_template:
             raise ValueError(f"prompt_template {self.prompt_template!r} must contain {{question}}")
 
@@ -379,11 +397,29 @@ def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, size: int, tempe
     return out
 
 
+def rollout_runner(cfg: GRPOConfig, log: Callable[[dict[str, Any]], None] | None = None) -> AdaptiveRollout:
+    """How rollouts decode: plain, or speculative in the tail with the config the bandit picks."""
+    if cfg.speculative == "none":
+        return AdaptiveRollout(None)
+    spec = cfg.speculative
+    if spec == "eagle":
+        from reclaim.rl.drafter_trainer import default_drafter_dir
+
+        spec = f"eagle:{default_drafter_dir()}"
+    method, _, path = spec.partition(":")
+    arms = [SpeculativeConfig(method=method, model=path or None, num_speculative_tokens=d, max_batch=cfg.spec_threshold)
+            for d in sorted(cfg.spec_depths)]
+    arms = [None, *arms] if cfg.adaptive else arms[-1:]
+    bandit = BucketedBandit(arms, buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.spec_threshold] or [1],
+                            policy=cfg.bandit_policy, epsilon=cfg.bandit_epsilon, seed=cfg.seed)
+    return AdaptiveRollout(bandit, threshold=cfg.spec_threshold, log=log)
+
+
 def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], step: int, cfg: GRPOConfig,
             reward_funcs: Sequence[Callable], reward_names: Sequence[str], eos: set[int],
-            completions_log: Path | None = None) -> RolloutBatch:
-    """Sample num_generations completions per prompt on the engine and score them (and append
-    them to `completions_log`, JSON lines, if given)."""
+            completions_log: Path | None = None, runner: AdaptiveRollout | None = None) -> RolloutBatch:
+    """Sample num_generations completions per prompt on the engine (through `runner`: plain or
+    adaptive speculation) and score them (and append them to `completions_log`, JSON lines)."""
     from reclaim.engine.request import SamplingParams
 
     g = cfg.num_generations
@@ -391,7 +427,7 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
     params = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_completion_length,
                              seed=request_seed(cfg.seed, step, i)) for i in range(len(ids))]
     t0 = time.perf_counter()
-    outs = engine.generate(ids, params)
+    outs, stats = (runner or AdaptiveRollout(None)).generate(engine, ids, params)
     rollout_s = time.perf_counter() - t0
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
@@ -416,7 +452,14 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
                "completions/mean_length": lens.mean().item(), "completions/min_length": lens.min().item(),
                "completions/max_length": lens.max().item(),
                "completions/clipped_ratio": truncated.float().mean().item(),
-               "rollout_s": rollout_s, "rollout_tokens": n_tokens, "rollout_tokens_per_s": n_tokens / rollout_s}
+               "rollout_s": rollout_s, "rollout_tokens": n_tokens, "rollout_tokens_per_s": n_tokens / rollout_s,
+               "rollout_tail_s": stats.tail_seconds,
+               "rollout_tail_tokens_per_s": stats.to_dict()["tail_tokens_per_s"],
+               "rollout_spec_decisions": len(stats.decisions)}
+    verifies = stats.spec.get("verifies", 0)
+    if verifies:
+        metrics["rollout_spec_tau"] = (stats.spec["accepted"] + verifies) / verifies
+        metrics["rollout_spec_acceptance"] = stats.spec["accepted"] / max(1, stats.spec["drafted"])
     for j, name in enumerate(reward_names):
         metrics[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, j]).item()
         metrics[f"rewards/{name}/std"] = _nanstd(per_func[:, j]).item()
@@ -541,6 +584,13 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     engine = Engine(copy.deepcopy(model), tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len,
                     seed=cfg.seed)
     eos = set(engine.eos_token_ids)
+    decisions = out / "spec_decisions.jsonl"
+
+    def log_decision(d: dict[str, Any]) -> None:
+        with open(decisions, "a") as f:
+            f.write(json.dumps(d) + "\n")
+
+    runner = rollout_runner(cfg, log=log_decision)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
@@ -562,6 +612,7 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     else:  # a fresh run starts fresh logs
         log_path.unlink(missing_ok=True)
         completions_log.unlink(missing_ok=True)
+        (out / "spec_decisions.jsonl").unlink(missing_ok=True)
     config_dict = dataclasses.asdict(cfg)
     (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
 
@@ -574,7 +625,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
         if step % cfg.num_iterations == 0 or batch is None:
             idx = prompt_rows(len(rows), per_step, step // cfg.num_iterations, cfg.seed)
             batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg,
-                            reward_funcs, reward_names, eos, completions_log if cfg.log_completions else None)
+                            reward_funcs, reward_names, eos, completions_log if cfg.log_completions else None,
+                            runner)
             if cfg.num_iterations > 1:
                 batch.old_logps = _chunked_logps(model, batch, cfg.per_device_train_batch_size, cfg.temperature)
             if ref is not None:

@@ -291,3 +291,27 @@ def test_the_bundled_smollm2_config_runs_a_step(default_model_dir, tmp_path):
     rec = _records(tmp_path / "run" / "log.jsonl")[0]
     assert rec["rollout_tokens"] > 0 and rec["completions/max_length"] <= 8
     assert (tmp_path / "run" / "checkpoint-1" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_speculative_rollouts_give_the_same_run(tiny_model_dir, tmp_path, one_thread, adaptive):
+    """Adaptive (bandit) or static speculation in the tail changes only the rollout time: the
+    seeded completions, rewards, losses and weights equal a run with plain rollouts."""
+    (tmp_path / "even.py").write_text(REWARD_FILE)
+    fields = {"model": str(tiny_model_dir), "reward_funcs": [f"{tmp_path / 'even.py'}:even"], "max_steps": 2,
+              "log_completions": True}
+    plain, spec = tmp_path / "plain", tmp_path / "spec"
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields, "output_dir": str(plain)}), progress=False)
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields, "output_dir": str(spec), "speculative": "ngram",
+                                                "spec_threshold": 64, "spec_depths": [2, 3],
+                                                "adaptive": adaptive}), progress=False)
+    _assert_same_run(plain, spec, 2)
+    assert (spec / "completions.jsonl").read_text() == (plain / "completions.jsonl").read_text()
+    recs = _records(spec / "log.jsonl")
+    assert all(r["rollout_spec_decisions"] > 0 and r["rollout_tail_s"] > 0 for r in recs)
+    assert (spec / "spec_decisions.jsonl").read_text().count("\n") == sum(r["rollout_spec_decisions"] for r in recs)
+
+
+def test_bad_speculative_setting_is_refused():
+    with pytest.raises(ValueError, match="speculative='medusa'"):
+        GRPOConfig(speculative="medusa")
