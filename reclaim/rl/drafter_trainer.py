@@ -179,43 +179,50 @@ class HiddenRecorder:
         self._parts.pop(request_id, None)
 
     def _assemble(self, request_id: str, ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The request's recorded states over `ids` (None if nothing was recorded) and which
-        positions they cover (only where the recorded tokens are `ids`')."""
+        """The request's recorded states over its tokens `ids` (None if nothing was recorded)
+        and which positions they cover."""
         parts = self._parts.get(request_id, [])
         seen = torch.zeros(len(ids), dtype=torch.bool)
         if not parts:
             return None, seen
         hidden = torch.empty(len(ids), parts[0][2].shape[-1], dtype=parts[0][2].dtype, device=self.store)
-        for start, tokens, h in parts:
+        for start, _, h in parts:
             n = max(0, min(h.shape[0], len(ids) - start))
-            if n and tokens[:n] == ids[start:start + n]:
-                hidden[start:start + n], seen[start:start + n] = h[:n], True
+            hidden[start:start + n], seen[start:start + n] = h[:n], True
         return hidden, seen
 
-    def sample(self, request_id: str, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> DrafterSample:
-        """The request's sample: prompt + response without its last token, which the target
-        never ran (it was sampled and the request ended), with the recorded hidden states."""
-        ids = list(prompt_ids) + list(response_ids)[:-1]
-        hidden, seen = self._assemble(request_id, ids)
-        if hidden is None:
-            raise ValueError(f"no hidden states were recorded for request {request_id!r}; pass the "
-                             "recorder as the engine's on_forward")
-        shared = int(seen.long().argmax()) if bool(seen.any()) else len(ids)  # a shared prefix is [0, shared)
-        if shared and not bool(seen[:shared].any()):
-            for other in self._parts:
-                if other == request_id:
-                    continue
-                h, s = self._assemble(other, ids[:shared])
-                if h is not None and bool(s.all()):
-                    hidden[:shared], seen[:shared] = h, True
+    def samples(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[DrafterSample]:
+        """Samples of finished requests, given as (request id, prompt ids, response ids): each is
+        prompt + response without its last token (the target never ran it: it was sampled and
+        the request ended). A prompt prefix the engine shared from another request's cache is
+        filled from the requests here whose tokens agree with it from position 0."""
+        full = {rid: list(p) + list(r)[:-1] for rid, p, r in requests}
+        out = []
+        for rid, prompt, _ in requests:
+            ids = full[rid]
+            hidden, seen = self._assemble(rid, ids)
+            if hidden is None:
+                raise ValueError(f"no hidden states were recorded for request {rid!r}; pass the "
+                                 "recorder as the engine's on_forward")
+            for other, theirs in full.items():  # a shared prefix: from requests that computed it
+                if bool(seen.all()):
                     break
-        if not bool(seen.all()):
-            raise ValueError(f"request {request_id!r}: hidden states of positions "
-                             f"{(~seen).nonzero().flatten().tolist()[:8]} were not recorded (nor "
-                             "by a request it shares a prefix with)")
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(prompt_ids):] = True
-        return DrafterSample(torch.tensor(ids), hidden, mask)
+                agree = next((i for i, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
+                if other == rid or agree == 0:
+                    continue
+                h, s = self._assemble(other, theirs[:agree])
+                if h is not None:
+                    fill = s & ~seen[:agree]
+                    hidden[:agree][fill] = h[fill]
+                    seen[:agree] |= fill
+            if not bool(seen.all()):
+                raise ValueError(f"request {rid!r}: hidden states of positions "
+                                 f"{(~seen).nonzero().flatten().tolist()[:8]} were not recorded (nor "
+                                 "by a request given with it that shares them)")
+            mask = torch.zeros(len(ids), dtype=torch.bool)
+            mask[len(prompt):] = True
+            out.append(DrafterSample(torch.tensor(ids), hidden, mask))
+        return out
 
 
 # ---- the loss and the training steps -----------------------------------------------------------
@@ -521,13 +528,11 @@ def _rollouts(cfg: DrafterTrainConfig, target: torch.nn.Module, tokenizer: Any, 
     outs = engine.generate(prompts, params)
     n = sum(len(o.token_ids) for o in outs)
     log(f"target answered {len(outs)} prompts: {n} tokens in {time.perf_counter() - t0:.1f} s")
-    train_s, eval_s = [], []
-    for i, o in enumerate(outs):
-        if len(o.token_ids) < 2:  # a one-token answer leaves no response position to learn
-            recorder.drop(o.request_id)
-            continue
-        (train_s if i < cfg.num_prompts else eval_s).append(
-            recorder.sample(o.request_id, o.prompt_token_ids, o.token_ids))
+    # A one-token answer leaves no response position to learn from.
+    keep = [i for i, o in enumerate(outs) if len(o.token_ids) >= 2]
+    got = recorder.samples([(outs[i].request_id, outs[i].prompt_token_ids, outs[i].token_ids) for i in keep])
+    train_s = [x for i, x in zip(keep, got) if i < cfg.num_prompts]
+    eval_s = [x for i, x in zip(keep, got) if i >= cfg.num_prompts]
     torch.save({"train": [dataclasses.asdict(x) for x in train_s],
                 "eval": [dataclasses.asdict(x) for x in eval_s]}, path)
     return train_s, eval_s

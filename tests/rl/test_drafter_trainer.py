@@ -94,17 +94,21 @@ def test_batches_respect_sizes_and_depend_only_on_seed_and_step():
 
 
 def test_engine_hidden_states_are_the_targets_forward(target, one_thread):
-    prompts, _ = rollouts(target, 4)
-    prompts = [prompts[0] + [5, 6, 7] + p for p in prompts]  # a shared prefix: the engine shares its blocks
+    a, b, c = rollouts(target, 3)[0]
+    # Prompts with common prefixes: the engine shares their blocks instead of computing them.
+    prompts = [a + b, a + [5, 6, 7] + c, a + [5, 6, 7] + c[:5] + b]
     rec = HiddenRecorder()
-    engine = Engine(target, None, max_num_seqs=2, max_model_len=64, on_forward=rec, block_size=4)
+    engine = Engine(target, None, max_num_seqs=3, max_model_len=64, on_forward=rec, block_size=4)
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
     assert engine.stats().get("num_shared_prefix_tokens", 1) > 0
-    got = [rec.sample(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs]
+    got = rec.samples([(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs])
     want = collect(target, prompts, [o.token_ids[:-1] for o in outs])
-    for a, b in zip(got, want):
-        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        torch.testing.assert_close(a.hidden, b.hidden, atol=1e-4, rtol=1e-4)
+    for x, y in zip(got, want):
+        assert torch.equal(x.token_ids, y.token_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        torch.testing.assert_close(x.hidden, y.hidden, atol=1e-4, rtol=1e-4)
+    if engine.stats().get("num_shared_prefix_tokens"):
+        with pytest.raises(ValueError, match="were not recorded"):  # alone, its shared prefix is unknown
+            rec.samples([(outs[2].request_id, outs[2].prompt_token_ids, outs[2].token_ids)])
 
 
 def test_greedy_acceptance_counts_tokens_per_verify(target):
@@ -216,7 +220,7 @@ def _rollout_samples(target, prompts, max_tokens: int):
     rec = HiddenRecorder()
     engine = Engine(target, None, max_num_seqs=16, max_model_len=128, on_forward=rec)
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return [rec.sample(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs], [o.token_ids for o in outs]
+    return rec.samples([(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs]), [o.token_ids for o in outs]
 
 
 def test_the_replayed_tau_is_what_the_engine_gets(target, tmp_path, one_thread):
