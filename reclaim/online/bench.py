@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any, Sequence
 
@@ -91,6 +92,8 @@ def bench_online(model: torch.nn.Module | None = None, mixes: Sequence[tuple[int
                          speedup=step / reuse, ceiling=ceiling, of_ceiling=(step / reuse) / ceiling,
                          record_saved_bytes_per_token=record.saved_bytes / p,
                          record_kv_bytes_per_token=record.kv_bytes / p, samples=times))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "samples"}), file=sys.stderr,
+              flush=True)  # progress: a run cut short still shows the mixes it finished
         if len(rows) == 1:  # on the first mix: gradient errors, and a selective record
             rows[0].update(_gradient_errors(model, prompt, resp))
             t_sel_record, sel = _timed(lambda: record_prompt(model, prompt, response_id="s",
@@ -111,8 +114,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--mixes", default=",".join(f"{p}/{r}" for p, r in MIXES),
+                    help="prompt/response token counts, comma-separated")
     args = ap.parse_args()
-    print(json.dumps(bench_online(threads=args.threads, repeats=args.repeats), indent=2))
+    mixes = [tuple(int(x) for x in m.split("/")) for m in args.mixes.split(",")]
+    print(json.dumps(bench_online(mixes=mixes, threads=args.threads, repeats=args.repeats),
+                     indent=2))
 
 
 if __name__ == "__main__":
