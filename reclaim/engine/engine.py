@@ -47,7 +47,8 @@ KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
 class Recorder(Protocol):
     """Runs a recorded request's whole prompt forward (e.g. with autograd, kept for training)
     and hands back what serving needs: each layer's K and V ([1, Hkv, P, D]) and the final
-    hidden states ([P, H]). Called inside the step, between forwards; tensors are copied."""
+    hidden states ([P, H], or only the last one, [H]: then the request gets no prompt logprobs
+    and no drafts). Called inside the step, between forwards; tensors are copied."""
 
     def __call__(self, request_id: str, prompt_ids: list[int], weights_version: int
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -116,6 +117,8 @@ class Engine:
         self.on_forward = on_forward
         self.recorder = recorder
         self.num_recorded = 0
+        self.num_record_failures = 0
+        self._partial: set[str] = set()  # recorded without every prompt hidden state: never drafted
         self.kv_on_weight_update = kv_on_weight_update
         self.speculative = speculative
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
@@ -207,6 +210,7 @@ class Engine:
             "num_request_errors": self.num_request_errors,
             "num_shared_prefix_tokens": self.scheduler.num_shared_tokens,
             "num_recorded": self.num_recorded,
+            "num_record_failures": self.num_record_failures,
             "weights_version": self.weights_version,
             **{f"spec_{k}": v for k, v in self.spec_stats.items()},
         }
@@ -261,6 +265,7 @@ class Engine:
         """Forget a finished request and free its blocks."""
         self.scheduler.remove(req.seq.request_id)
         del self._requests[req.seq.request_id]
+        self._partial.discard(req.seq.request_id)
         if self.drafter is not None:
             self.drafter.release(req.seq.request_id)
 
@@ -303,7 +308,7 @@ class Engine:
                     for c, r, h in zip(chunks, rows, hidden)
                 ])
             for c, r, h in zip(chunks, rows, hidden):
-                if not c.sample and self.drafter is not None:
+                if not c.sample and self.drafter is not None and c.request_id not in self._partial:
                     self.drafter.observe(c.request_id, c.start, r.token_ids, h)
             for c, h in zip(chunks, hidden):
                 if c.is_prefill and self._requests[c.request_id].seq.params.prompt_logprobs is not None:
@@ -333,7 +338,8 @@ class Engine:
             for j, i in enumerate(sampling):
                 if chunks[i].request_id in drafts:
                     chosen[j] = self._verify(chunks[i], reqs[j], per_row[j], drafts[chunks[i].request_id], hidden[i])
-                elif self.drafter is not None and not isinstance(chosen[j], Exception):
+                elif self.drafter is not None and not isinstance(chosen[j], Exception) \
+                        and chunks[i].request_id not in self._partial:
                     c = chunks[i]
                     self.drafter.observe(c.request_id, c.start, rows[i].token_ids, hidden[i])
             out = []
@@ -358,11 +364,22 @@ class Engine:
             p = seq.num_prompt_tokens
             if not self.blocks.allocate(seq.request_id, p):
                 continue  # no room for the whole prompt now: an ordinary prefill, not recorded
-            keys, values, hidden = self.recorder(seq.request_id, seq.token_ids[:p], self.weights_version)
+            try:
+                keys, values, hidden = self.recorder(seq.request_id, seq.token_ids[:p], self.weights_version)
+                hidden = hidden.detach().to(self.device)
+                if hidden.dim() == 1 and seq.params.prompt_logprobs is not None:
+                    raise ValueError("prompt_logprobs need the recorder's hidden states at every prompt position")
+            except Exception as exc:  # noqa: BLE001 - the request is served, just not recorded
+                log.warning("recording %s failed, serving it unrecorded: %r", seq.request_id, exc)
+                self.num_record_failures += 1
+                continue
             self.runner.write_kv(seq.request_id, 0, keys, values)
             c.num_tokens, c.sample, seq.num_computed, seq.record = p, True, p, False
             self.num_recorded += 1
-            out[seq.request_id] = hidden.detach().to(self.device).reshape(p, -1)
+            if hidden.dim() == 1:  # the last position only: stand-in rows, nothing else reads them
+                self._partial.add(seq.request_id)
+                hidden = hidden.expand(p, -1)
+            out[seq.request_id] = hidden.reshape(p, -1)
         return out
 
     @staticmethod
@@ -512,6 +529,13 @@ class Engine:
                             f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
                         )
                     own[name].copy_(value)
+            return self.weights_changed()
+
+    def weights_changed(self) -> int:
+        """The model's weights changed in place (update_weights, or a training step on the very
+        module the engine serves, as online learning does between steps): bump the version and
+        treat cached K/V per `kv_on_weight_update`. Returns the new version."""
+        with self._step_lock:
             if self.kv_on_weight_update == "recompute":
                 self.scheduler.recompute_all()
             else:

@@ -52,3 +52,25 @@ def test_recorded_requests_serve_exactly_as_unrecorded(budget):
 def test_record_needs_a_recorder(tiny):
     with pytest.raises(ValueError, match="needs an engine built with a recorder"):
         Engine(tiny[0], num_blocks=16, block_size=4, max_model_len=64).add_request("r", [1, 2], record=True)
+
+
+def test_a_recorder_that_fails_or_gives_only_the_last_state():
+    """A failing recorder leaves the request served unrecorded; one that returns only the last
+    hidden state still serves it exactly (no drafts, no prompt logprobs for it)."""
+    model, _ = make_pair(seed=3)
+    prompt = list(range(20, 35))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = Engine(model, num_blocks=64, block_size=4).generate([prompt], params)[0].token_ids
+
+    def broken(request_id, prompt_ids, version):
+        raise RuntimeError("out of record budget")
+
+    last_only = GradRecorder(model)
+    for recorder, recorded in ((broken, 0), (lambda *a: (*last_only(*a)[:2], last_only.kept[a[0]][0, -1]), 1)):
+        eng = Engine(model, num_blocks=64, block_size=4, recorder=recorder)
+        eng.add_request("r", prompt, params, record=True)
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+        assert outs[-1].token_ids == want
+        assert eng.stats()["num_recorded"] == recorded and eng.stats()["num_record_failures"] == 1 - recorded
