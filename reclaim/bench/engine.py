@@ -313,7 +313,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 s = s["median"] if isinstance(s, dict) else s
                 ax.text(x, y * 1.02, f"{s:.2f}x", ha="center", fontsize=8)
     ax.set_xticks(range(len(rows)), [_label(r) for r in rows], fontsize=8)
-    ax.set_ylabel("requested output tokens / s")
+    ax.set_ylabel("output tokens / s (ShareGPT: requested tokens only)")
     m = result["machine"]
     ax.set_title(f"Greedy generation, {Path(result['model']).name} {result['dtype']}\n"
                  f"{m['cpu_model']}, {m['torch_threads']} thread(s), load {m['load_average_at_start'][0]}",
