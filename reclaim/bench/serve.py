@@ -283,13 +283,11 @@ async def stream_gaps(url: str, model: str, *, long_messages: list[dict] | None,
                 if sum(t > done for t in arrivals) >= 2:
                     break
         await stream.close()
-        if long_task is not None and not long_task.done():
-            await long_task  # the stream ended first: let the long request finish
-            done = long_task.result()
+        if long_task is not None:
+            done = done or await long_task  # the stream may end first
     start = arrivals[warm_tokens - 1] if long_messages is None else sent
-    window = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start]
-    if done is not None:
-        window = [b - a for a, b in zip(arrivals, arrivals[1:]) if start < b and a <= done]
+    end = done if done is not None else float("inf")
+    window = [b - a for a, b in zip(arrivals, arrivals[1:]) if start < b and a <= end]
     out = {"worst_gap_ms": 1000 * max(window), "median_gap_ms": 1000 * statistics.median(window),
            "gaps": len(window)}
     if long_messages is not None:
