@@ -81,6 +81,26 @@ def _speculative(spec: str | None, model: str | None, **fields: int | None):
         raise typer.BadParameter(str(e)) from e
 
 
+def _learn_config(learn: bool, config: str | None, **flags: str | None):
+    """The OnlineTrainConfig for `serve --learn` (config file or bundled name, flags on top)."""
+    if not learn:
+        given = [k for k, v in flags.items() if v is not None] + (["config"] if config else [])
+        if given:
+            raise typer.BadParameter(f"--{given[0].replace('_', '-')} only applies with --learn")
+        return None
+    from importlib.resources import files
+
+    from reclaim.config import load_config
+    from reclaim.online.trainer import OnlineTrainConfig
+
+    if config is None and files("reclaim.configs").joinpath("online-smollm2.yaml").is_file():
+        config = "online-smollm2"
+    try:
+        return load_config(OnlineTrainConfig, config, {k: v for k, v in flags.items() if v is not None})
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+
 def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | None):
     from reclaim.engine.request import SamplingParams
 
@@ -232,6 +252,16 @@ def serve(
     spec_max_batch: int = SPEC_BATCH_OPT,
     eagle_topk: int = SPEC_TOPK_OPT,
     num_draft_tokens: int = SPEC_TREE_OPT,
+    learn: bool = typer.Option(False, "--learn", help="Learn from feedback while serving (POST /v1/feedback): "
+                               "prompts recorded at prefill, trained between engine steps."),
+    learn_config: str = typer.Option(None, "--config", help="With --learn: YAML file or bundled name of "
+                                     "OnlineTrainConfig fields (default: online-smollm2 if bundled)."),
+    record: str = typer.Option(None, "--record", help="With --learn: all | requested (body key "
+                               "retain_for_training) | fraction:F."),
+    record_budget: str = typer.Option(None, "--record-budget", help="With --learn: bytes of records kept."),
+    record_host_budget: str = typer.Option(None, "--record-host-budget", help="With --learn: bytes offloaded to host."),
+    max_ttft_slowdown: float = typer.Option(0.1, "--max-ttft-slowdown", help="With --learn: training may take "
+                                            "at most this share of serving's time (idle time is free)."),
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)."""
@@ -245,6 +275,8 @@ def serve(
     model = model or model_opt
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, max_batch=spec_max_batch,
                         eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens)
+    learn_cfg = _learn_config(learn, learn_config, record=record, record_budget=record_budget,
+                              record_host_budget=record_host_budget)
     _, _, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=max_num_seqs, device=device,
                           max_model_len=lambda cfg: max_model_len or cfg.max_position_embeddings,
                           block_size=block_size, num_blocks=num_blocks)
@@ -264,7 +296,8 @@ def serve(
                                 connections=connections, allowed_origins=origins,
                                 split_special_tokens=split_special_tokens,
                                 force_include_usage=enable_force_include_usage,
-                                access_log=not disable_access_log))
+                                access_log=not disable_access_log, learn=learn_cfg,
+                                max_ttft_slowdown=max_ttft_slowdown))
 
 
 # ---- ssm: ssm-train (owner: ssm) ----

@@ -31,11 +31,11 @@ from reclaim.server.plan import (Limits, Plan, detokenize_body, plan_chat, plan_
                                  tokenize_body)
 from reclaim.server.responses import TokenText, collect, stream_body
 from reclaim.server.runner import EngineFailure, EngineRunner, Generation
-from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, parse
+from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, FeedbackRequest, parse
 from reclaim.server.structured import GrammarCompiler
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{id}", "/health",
-          "/metrics", "/tokenize", "/detokenize", "/version")
+          "/metrics", "/tokenize", "/detokenize", "/version", "/v1/feedback")
 OPEN_ROUTES = ("/health",)  # reachable without the API key
 DRAIN_EXEMPT = ("/metrics",)  # still answered while draining
 # Threads that validate, template and tokenize requests: a few, so a burst of huge bodies
@@ -258,8 +258,13 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
 
     async def run(request: Request, plan: Plan):
         request.scope["reclaim.request_id"] = plan.response_id  # for the access log
+        learner = runner.learner
+        if plan.retain_for_training and learner is None:
+            raise APIError(400, "retain_for_training needs a server that learns; start it with `reclaim serve "
+                           "--learn`", param="retain_for_training")
+        record = learner is not None and learner.should_record(plan.retain_for_training)
         try:
-            gen = runner.submit(plan.response_id, plan.prompts, plan.params)
+            gen = runner.submit(plan.response_id, plan.prompts, plan.params, record=record)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         except EngineFailure as exc:
@@ -291,6 +296,27 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
                 "root": limits.model_names[0], "parent": None,
                 "max_model_len": limits.max_model_len,
                 "weights_version": runner.engine.weights_version}
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request):
+        """A rating (-1, 0, 1) or a correction of a served response; durable before the answer."""
+        from reclaim.online.colocate import response_key
+        from reclaim.online.feedback import FeedbackError, UnknownResponse
+
+        req = parse(await read_body(request, limits.max_body_bytes), FeedbackRequest)
+        learner = runner.learner
+        if learner is None:
+            raise APIError(400, "this server does not learn from feedback; start it with `reclaim serve --learn`")
+        key = response_key(req.response_id, req.choice_index)
+        try:
+            fid = await asyncio.to_thread(learner.learner.feedback, key, req.rating, req.correction)
+        except UnknownResponse as exc:
+            raise APIError(404, f"no finished response {key!r} to give feedback on: {exc}", param="response_id",
+                           code="response_not_found") from exc
+        except FeedbackError as exc:
+            raise APIError(400, str(exc), param="correction") from exc
+        return {"id": fid, "object": "feedback", "response_id": req.response_id, "choice_index": req.choice_index,
+                "status": "accepted"}
 
     @app.get("/v1/models")
     async def models():
@@ -343,6 +369,10 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
         metrics.spec_accepted.set_total(accepted)
         metrics.spec_accept_rate.set(accepted / drafted if drafted else 0.0)
         metrics.spec_tau.set((accepted + verifies) / verifies if verifies else 0.0)
+        if runner.learner is not None:
+            for name, value in runner.learner.metrics().items():
+                if isinstance(value, (int, float)):
+                    metrics.online.values[(name,)] = float(value)
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

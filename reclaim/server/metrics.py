@@ -116,6 +116,9 @@ class ServerMetrics:
         self.kv_used = Gauge("reclaim_kv_cache_blocks_used", "KV-cache blocks in use.")
         self.kv_total = Gauge("reclaim_kv_cache_blocks_total", "KV-cache blocks in the pool.")
         self.weights_version = Gauge("reclaim_weights_version", "Version of the served weights.")
+        self.online = Gauge("reclaim_online", "Online learning (serve --learn): training tokens/s, steps, "
+                            "reuse rate, recompute fallbacks by reason, records, record bytes, pending feedback.",
+                            ("name",))
         self.spec_verifies = Counter("reclaim_spec_decode_num_verifies_total",
                                      "Speculative verifications (one per sequence per verifying forward).")
         self.spec_drafted = Counter("reclaim_spec_decode_num_draft_tokens_total", "Draft tokens proposed.")

@@ -59,6 +59,7 @@ class Plan:
     echo: list[str] | None = None  # completions: each choice's prompt text, shown before its reply
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: report k alternatives
     tools: ToolPlan | None = None
+    retain_for_training: bool = False  # asked to be recorded for training (serve --learn)
 
     @property
     def prompt_tokens(self) -> int:
@@ -228,7 +229,7 @@ def _expand(kind: Literal["chat", "completion"], prefix: str, req: SamplingReque
                 params=params, logprobs=logprobs is not None, stream=req.stream,
                 include_usage=req.include_usage_in_stream or limits.force_include_usage,
                 continuous_usage=req.continuous_usage,
-                prompt_logprobs=req.prompt_logprobs, **plan)
+                prompt_logprobs=req.prompt_logprobs, retain_for_training=req.retain_for_training, **plan)
 
 
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "tokenize", "add_generation_prompt",

@@ -63,9 +63,10 @@ class Generation:
 class EngineRunner:
     """Owns the engine thread; submits and aborts requests from the event loop."""
 
-    def __init__(self, engine, metrics: ServerMetrics, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine, metrics: ServerMetrics, idle_wait_s: float = 0.05, learner=None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.learner = learner  # online.colocate.Colocated with --learn: trains between steps
         self.idle_wait_s = idle_wait_s
         self.stats: dict = dict(engine.stats())
         self._sinks: dict[str, Generation] = {}
@@ -105,8 +106,9 @@ class EngineRunner:
     # ---- requests (event-loop thread) ----
 
     def submit(self, request_id: str, prompts: list[list[int]],
-               params: list[SamplingParams]) -> Generation:
-        """Queue one engine request per (prompt, params) pair, ids `{request_id}-{i}`.
+               params: list[SamplingParams], record: bool = False) -> Generation:
+        """Queue one engine request per (prompt, params) pair, ids `{request_id}-{i}`; `record`
+        asks for their prefills to be recorded for training (with --learn).
 
         Raises ValueError (nothing left queued) if the engine refuses any of them.
         """
@@ -120,7 +122,7 @@ class EngineRunner:
                 self._sinks[rid] = gen
                 gen.pending.add(rid)
                 self._timing[rid] = _Timing(now)
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, record=record)
         except Exception:
             gen.abort()
             raise
@@ -181,15 +183,33 @@ class EngineRunner:
 
     # ---- engine thread ----
 
+    def _learn(self, outputs: list[RequestOutput], step_s: float) -> None:
+        """With --learn: log finished responses and train between steps, per the schedule. A
+        training failure is logged and never stops serving."""
+        if self.learner is None:
+            return
+        try:
+            entry = self.learner.after_step(outputs, step_s)
+        except Exception:  # noqa: BLE001 - serving goes on; the feedback stays pending
+            log.exception("online training step failed; serving continues")
+            return
+        if entry is not None:
+            log.info("online training step %s: loss %.4f on %s tokens, weights version %d",
+                     entry.get("step"), entry.get("loss", float("nan")), entry.get("tokens"),
+                     self.engine.weights_version)
+
     def _run(self) -> None:
         engine, loop = self.engine, self._loop
         while not self._stop.is_set():
             self._wake.clear()
             if not engine.has_unfinished():
+                self._learn([], 0.0)
                 self._wake.wait(self.idle_wait_s)
                 continue
             try:
+                t = time.perf_counter()
                 outputs = engine.step()
+                step_s = time.perf_counter() - t
             except Exception as exc:  # a broken step must not kill the server
                 log.exception("engine step failed; failing the requests in flight")
                 loop.call_soon_threadsafe(self._fail_all, exc)
@@ -197,5 +217,6 @@ class EngineRunner:
                 continue
             stats = dict(engine.stats())
             loop.call_soon_threadsafe(self._deliver, outputs, stats)
+            self._learn(outputs, step_s)
         # Leave the engine clean: anything still queued when stopping was aborted above.
         self.stats = dict(engine.stats())

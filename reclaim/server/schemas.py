@@ -158,6 +158,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    retain_for_training: bool = False  # record the prefill for training on feedback (serve --learn)
     # Structured output (see structured.py): at most one of these.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -350,3 +351,13 @@ def parse(raw: bytes, schema: type[BaseModel]) -> Any:
         return schema.model_validate_json(raw, strict=True)
     except ValidationError as exc:
         raise validation_error(exc, schema) from None
+
+
+class FeedbackRequest(BaseModel):
+    """POST /v1/feedback (serve --learn): a rating of a served response, or a correction of it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    response_id: str = Field(min_length=1, max_length=256)
+    rating: Literal[-1, 0, 1]
+    correction: str | None = Field(None, min_length=1)
+    choice_index: int = Field(0, ge=0, le=1 << 16)

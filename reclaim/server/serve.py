@@ -48,11 +48,13 @@ class EngineArgs:
 def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_args: EngineArgs,
               *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20,
               split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = (),
-              force_include_usage: bool = False, access_log: bool = True):
+              force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
+              max_ttft_slowdown: float = 0.1):
     """The FastAPI app serving `model`; returns (app, runner, state).
 
     force_include_usage: usage in every stream, asked for or not; access_log: one INFO line per
-    request on the `reclaim.access` logger.
+    request on the `reclaim.access` logger. learn: an OnlineTrainConfig to learn from feedback
+    while serving (`serve --learn`), training between engine steps within max_ttft_slowdown.
     """
     from reclaim.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine
 
@@ -64,7 +66,14 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_a
                     max_num_batched_tokens=engine_args.max_num_batched_tokens,
                     kv_cache_bytes=engine_args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
                     speculative=engine_args.speculative)
-    runner = EngineRunner(engine, ServerMetrics())
+    colocated = None
+    if learn is not None:
+        from reclaim.online.colocate import Colocated
+        from reclaim.online.learner import OnlineLearner
+
+        learner = OnlineLearner(model, learn, tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False))
+        colocated = Colocated(learner, engine, max_ttft_slowdown=max_ttft_slowdown)
+    runner = EngineRunner(engine, ServerMetrics(), learner=colocated)
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
                     vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes,
                     split_special_tokens=split_special_tokens,
@@ -148,8 +157,10 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
           engine_args: EngineArgs | None = None, shutdown_timeout: float = 30.0,
           log_level: str = "info", connections: ConnectionLimits | None = None,
           allowed_origins: tuple[str, ...] = (), split_special_tokens: bool = False,
-          force_include_usage: bool = False, access_log: bool = True) -> int:
-    """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT."""
+          force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
+          max_ttft_slowdown: float = 0.1) -> int:
+    """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT;
+    with `learn` (an OnlineTrainConfig), also learn from feedback on the responses."""
     from reclaim.models.loading import load_model, resolve_model_dir
 
     logging.basicConfig(level=log_level.upper(),
@@ -163,7 +174,8 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     app, runner, state = build_app(weights, tokenizer, names, engine_args or EngineArgs(),
                                    api_key=api_key, allowed_origins=allowed_origins,
                                    split_special_tokens=split_special_tokens,
-                                   force_include_usage=force_include_usage, access_log=access_log)
+                                   force_include_usage=force_include_usage, access_log=access_log,
+                                   learn=learn, max_ttft_slowdown=max_ttft_slowdown)
     connections = connections or ConnectionLimits()
     raise_file_limit(connections)
     config = uvicorn_config(app, connections, runner.metrics, host=host, port=port,

@@ -107,7 +107,8 @@ class LiveServer(BackgroundServer):
 
 def start_server(api_key: str | None = None, max_num_seqs: int = 16, num_blocks: int = 256,
                  max_model_len: int = 256, max_body_bytes: int = 64 << 10,
-                 connections: ConnectionLimits | None = None, speculative=None, **app_options) -> LiveServer:
+                 connections: ConnectionLimits | None = None, speculative=None, dtype: str = "float32",
+                 **app_options) -> LiveServer:
     """A live server; `app_options` go to build_app (split_special_tokens, allowed_origins)."""
     tokenizer = make_tokenizer()
     model = make_model(tokenizer, max_position_embeddings=max_model_len)
