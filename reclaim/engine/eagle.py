@@ -164,8 +164,8 @@ class EagleProposer:
     def _tree(self, st: _State, g: torch.Tensor, n: int, budget: int) -> Draft:
         """EAGLE-2's dynamic tree from g (the prediction of f_n); deterministic tokens."""
         k = self.topk
-        logits, ids = self._logits(g[None])
-        to_target = (lambda t: t) if ids is None else (lambda t: ids[t])
+        logits, vocab = self._logits(g[None])
+        to_target = (lambda t: t) if vocab is None else (lambda t: vocab[t])
         lp = torch.log_softmax(logits, -1)[0]
         top = lp.topk(k)
         tokens, parents, scores = to_target(top.indices).tolist(), [-1] * k, top.values.tolist()
@@ -175,9 +175,9 @@ class EagleProposer:
         emb = self.embed
         for d in range(1, self.depth):
             dev = g.device
-            ids = torch.tensor([[tokens[i]] for i in frontier], device=dev)
+            inp = torch.tensor([[tokens[i]] for i in frontier], device=dev)
             pos = torch.full((len(frontier), 1), n + d - 1, device=dev)
-            out = self.drafter(emb(ids), feats[:, None], pos, cache)[:, 0]  # [B, H]
+            out = self.drafter(emb(inp), feats[:, None], pos, cache)[:, 0]  # [B, H]
             lp = torch.log_softmax(self._logits(out)[0], -1)
             cand = torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + lp
             val, idx = cand.topk(k, -1)  # [B, k] best children of each frontier node

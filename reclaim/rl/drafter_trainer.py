@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from reclaim.data.tasks import PROMPT_SOURCES
 from reclaim.models.cache import DenseCache
-from reclaim.models.drafter import EagleDrafter, load_drafter, new_drafter, save_drafter
+from reclaim.models.drafter import most_frequent, EagleDrafter, load_drafter, new_drafter, save_drafter
 from reclaim.paths import cache_root
 from reclaim.schedule import SCHEDULES, lr_scheduler
 
@@ -428,6 +428,10 @@ class DrafterTrainConfig:
     feature_noise: float = 0.1
     unroll_steps: int = 2  # passes feeding the drafter's own predictions (chain drafting's later tokens)
     ce_vocab: str = "buffer"  # full | buffer: the cross-entropy over the buffer's tokens (cheaper)
+    # The drafter's own vocabulary at inference (EAGLE-3's d2t): the N most frequent training
+    # tokens, so a draft token scores N head rows, not the whole vocabulary (0: all). Set after the
+    # held-out evaluation, which scores the whole vocabulary.
+    draft_vocab_size: int = 0
     reg_loss_weight: float = 1.0
     ce_loss_weight: float = 0.1
     num_speculative_tokens: int = 4  # the held-out evaluation's draft length
@@ -626,6 +630,11 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
     if held_out:
         summary["eval"] = {"prompts": len(held_out), "num_speculative_tokens": cfg.num_speculative_tokens,
                            **greedy_acceptance(drafter, target, held_out, cfg.num_speculative_tokens)}
+    if cfg.draft_vocab_size:
+        drafter.draft_ids = most_frequent([s.token_ids.tolist() for s in buffer], cfg.draft_vocab_size,
+                                          target.config.vocab_size).to(next(drafter.parameters()).device)
+        _place_final(drafter, out)
+        summary["draft_vocab_size"] = int(drafter.draft_ids.numel())
     summary["total_s"] = time.perf_counter() - t_start
     (out / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

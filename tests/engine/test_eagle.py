@@ -199,12 +199,13 @@ def test_reduced_draft_vocabulary_is_lossless_and_round_trips(tmp_path, target_a
     small = EagleDrafter(target.config, ids)
     small.load_state_dict(drafter.state_dict())
     seen = []
-    proposer = EagleProposer(small, target)
+    proposer = EagleProposer(small, target, topk=3, depth=3, total=6)  # a tree over the reduced vocabulary
     propose = proposer.propose
     proposer.propose = lambda reqs: [seen.extend(d.tokens) or d for d in propose(reqs)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
-    eng = Engine(target, num_blocks=128, block_size=4, speculative=SPEC, drafter=proposer)
+    eng = Engine(target, num_blocks=256, block_size=4, drafter=proposer,
+                 speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch=64, num_draft_tokens=6))
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
     assert seen and set(seen) <= set(ids.tolist())
     path = save_drafter(small, tmp_path / "small")
@@ -221,6 +222,8 @@ def test_sampled_reduced_vocabulary_matches_plain_distribution():
     torch.manual_seed(3)
     proposer = EagleProposer(EagleDrafter(target.config, torch.tensor([1, 3, 5, 6])), target)
     assert _joint_chi2_passes(target, proposer, top_k=0)
+    tree = EagleProposer(EagleDrafter(target.config, torch.tensor([1, 3, 5, 6])), target, topk=2, depth=2, total=3)
+    assert _joint_chi2_passes(target, tree, top_k=0)  # a tree over the reduced vocabulary
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle-chain", "eagle-tree"])
