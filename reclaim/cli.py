@@ -185,8 +185,9 @@ def chat(
 def demo(
     max_tokens: int = typer.Option(64, help="Most tokens per answer."),
     ssm_steps: int = typer.Option(5, help="Adjoint training steps of the SSM part (0 skips it)."),
-    speculative: str = typer.Option("eagle", "--speculative", help="The speculative part: eagle (the default "
-                                    "drafter, trained and cached on first use), ngram, eagle:PATH or none."),
+    speculative: str = typer.Option("auto", "--speculative", help="The speculative part: auto (eagle when the "
+                                    "default drafter is cached, else ngram), eagle (trains and caches it on first "
+                                    "use, about 2 min), ngram, eagle:PATH or none."),
 ) -> None:
     """The main job on the default model: batched generation, speculative decoding next to plain,
     then a few exact-adjoint SSM steps."""
@@ -197,6 +198,15 @@ def demo(
     model, tok = load_model(None)
     typer.echo("== inference engine: a batch of chat prompts on the default model ==")
     run_demo(model, tok, max_tokens=max_tokens)
+    if speculative == "auto":
+        from reclaim.rl.drafter_trainer import cache_root_drafters
+        from reclaim.models.loading import default_model_dir
+
+        cached = (cache_root_drafters() / default_model_dir().name / "config.json").is_file()
+        speculative = "eagle" if cached else "ngram"
+        if not cached:  # keeps the first demo short; training the drafter takes about 2 min here
+            typer.echo("\n(no EAGLE drafter cached yet: `reclaim demo --speculative eagle` or `reclaim drafter "
+                       "train --config drafter-smollm2` trains one in about 2 min; this run uses ngram)")
     if speculative != "none":
         typer.echo("\n== speculative decoding: the same prompt plain and speculative (lossless) ==")
         speculative_demo(model, tok, _speculative(speculative, None))
