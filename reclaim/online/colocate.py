@@ -64,13 +64,17 @@ class Colocated:
         kv = [rec.kv(layer) for layer in range(len(rec.keys))]
         return [k for k, _ in kv], [v for _, v in kv], rec.hidden()[0, 0]
 
-    def after_step(self, outputs: Sequence[RequestOutput], seconds: float) -> dict[str, Any] | None:
-        """Log finished responses; train one step if the schedule allows. Returns the step's log
-        entry, or None."""
-        self.serve_s += seconds
+    def log_finished(self, outputs: Sequence[RequestOutput]) -> None:
+        """Log the responses that finished, before they are handed to the clients (so feedback
+        sent right after a response can always name it)."""
         for out in outputs:
             if out.finished and out.finish_reason in ("stop", "length") and out.token_ids is not None:
                 self.learner.on_response(key_of_request(out.request_id), out.prompt_token_ids, out.token_ids)
+
+    def after_step(self, seconds: float) -> dict[str, Any] | None:
+        """Train one step if feedback is pending and the schedule allows (the engine is idle, or
+        training has used at most max_ttft_slowdown of serving's time). Returns its log entry."""
+        self.serve_s += seconds
         idle = not self.engine.has_unfinished()
         if not (idle or self.train_s <= self.max_slowdown * self.serve_s):
             return None

@@ -183,13 +183,13 @@ class EngineRunner:
 
     # ---- engine thread ----
 
-    def _learn(self, outputs: list[RequestOutput], step_s: float) -> None:
-        """With --learn: log finished responses and train between steps, per the schedule. A
-        training failure is logged and never stops serving."""
+    def _learn(self, step_s: float) -> None:
+        """With --learn: train between steps, per the schedule. A training failure is logged and
+        never stops serving."""
         if self.learner is None:
             return
         try:
-            entry = self.learner.after_step(outputs, step_s)
+            entry = self.learner.after_step(step_s)
         except Exception:  # noqa: BLE001 - serving goes on; the feedback stays pending
             log.exception("online training step failed; serving continues")
             return
@@ -203,7 +203,7 @@ class EngineRunner:
         while not self._stop.is_set():
             self._wake.clear()
             if not engine.has_unfinished():
-                self._learn([], 0.0)
+                self._learn(0.0)
                 self._wake.wait(self.idle_wait_s)
                 continue
             try:
@@ -216,7 +216,12 @@ class EngineRunner:
                 self._stop.wait(self.idle_wait_s)  # let the aborts land before stepping again
                 continue
             stats = dict(engine.stats())
+            if self.learner is not None:
+                try:
+                    self.learner.log_finished(outputs)  # before the clients see them
+                except Exception:  # noqa: BLE001 - serving goes on
+                    log.exception("logging finished responses for online learning failed")
             loop.call_soon_threadsafe(self._deliver, outputs, stats)
-            self._learn(outputs, step_s)
+            self._learn(step_s)
         # Leave the engine clean: anything still queued when stopping was aborted above.
         self.stats = dict(engine.stats())
