@@ -26,7 +26,7 @@ import torch
 from reclaim.engine.detokenize import IncrementalDetokenizer
 from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
 from reclaim.engine.output import RequestState, commit, output
-from reclaim.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
 from reclaim.engine.speculative import (

@@ -117,6 +117,13 @@ class Draft:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
+    def children(self) -> dict[int, list[int]]:
+        """Each node's children in order (-1: the pending token's)."""
+        out: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents or []):
+            out.setdefault(parent, []).append(i)
+        return out
+
     def truncate(self, n: int) -> "Draft":
         """The first n tokens (a tree keeps the nodes whose ancestors all stay: parents come first)."""
         return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
@@ -241,9 +248,7 @@ def accept_tree_keyed(logits: torch.Tensor, draft: Draft, params: SamplingParams
                       position: int) -> tuple[list[int], list[int]]:
     """Verify a tree for a seeded request: at each node the token plain sampling draws there;
     follow the child that drafted it, else stop with it. Identical to plain decoding's output."""
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(draft.parents or []):
-        children.setdefault(parent, []).append(i)
+    children = draft.children()
     node, row, path, out = -1, 0, [], []
     while True:
         tok = _keyed_draws(logits[row: row + 1], params, position + len(out))[0]
@@ -271,9 +276,7 @@ def accept_tree(
     renormalises before the next child (recursive rejection for deterministic drafts), drawing
     from what is left when every child fails, so the output is distributed as p.
     """
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(draft.parents or []):
-        children.setdefault(parent, []).append(i)
+    children = draft.children()
     node, row, path, out = -1, 0, [], []
     while True:
         kids = children.get(node, [])

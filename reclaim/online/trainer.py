@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints
 from reclaim.models.loading import parse_size
 from reclaim.online.feedback import Feedback, FeedbackLog
 from reclaim.online.recorder import PromptRecord, record_prompt, recompute_loss, reuse_loss
@@ -37,7 +38,6 @@ from reclaim.online.store import RecordInfo, RecordStore
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint-"
 ADAPTER_FILE = "adapter.safetensors"
 COST_MODELS = ("measure", "reuse", "recompute")
 
@@ -339,9 +339,7 @@ class OnlineTrainer:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoint-{step} directories, oldest first."""
-        found = [p for p in self.out.glob(f"{CHECKPOINT_PREFIX}*")
-                 if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-        return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+        return checkpoints(self.out)
 
     def save(self) -> Path:
         """Write checkpoint-{step}/ (HF model dir, optimizer, trainer_state.json) atomically."""

@@ -46,11 +46,11 @@ import torch.nn.functional as F
 
 from reclaim.data.tasks import PROMPT_SOURCES
 from reclaim.models.cache import DenseCache
-from reclaim.models.drafter import most_frequent, EagleDrafter, load_drafter, new_drafter, save_drafter
+from reclaim.models.drafter import EagleDrafter, load_drafter, most_frequent, new_drafter, save_drafter
 from reclaim.paths import cache_root
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
 
-CHECKPOINT_PREFIX = "checkpoint-"
 CE_VOCABS = ("full", "buffer")
 
 
@@ -466,13 +466,6 @@ class DrafterTrainConfig:
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
 
 
-def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """The run's complete checkpoint-{step} directories, oldest first."""
-    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
-             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-
-
 def save_checkpoint(out: Path, step: int, drafter: EagleDrafter, optimizer, scheduler,
                     state: dict[str, Any]) -> Path:
     """checkpoint-{step}/: the drafter in the EAGLE layout, optimizer, scheduler and
@@ -495,12 +488,6 @@ def _place_final(drafter: EagleDrafter, out: Path) -> None:
     for name in sorted(os.listdir(staged), key=lambda n: n == "config.json"):
         os.replace(staged / name, out / name)
     shutil.rmtree(staged, ignore_errors=True)
-
-
-def _trim_log(path: Path, step: int) -> None:
-    if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in keep))
 
 
 def _rollouts(cfg: DrafterTrainConfig, target: torch.nn.Module, tokenizer: Any, out: Path,
@@ -572,7 +559,7 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
         state = json.loads((last / "trainer_state.json").read_text())
         step, history = state["global_step"], state["log_history"]
         drafter = load_drafter(last, target)
-        _trim_log(log_path, step)
+        trim_log(log_path, step)
     else:
         torch.manual_seed(cfg.seed)
         drafter = new_drafter(target)

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from reclaim.checkpoints import CHECKPOINT_PREFIX, trim_log
+from reclaim.checkpoints import checkpoints as list_checkpoints
 from reclaim.engine.speculative import SpeculativeConfig
 from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
@@ -48,7 +50,6 @@ from reclaim.schedule import SCHEDULES, lr_scheduler
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
-CHECKPOINT_PREFIX = "checkpoint-"
 ALL_TASKS = "all"
 DEFAULT_TEMPLATE = "{question}\nGive the final answer in <answer></answer> tags."
 
@@ -476,10 +477,8 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
 # ---- checkpoints -------------------------------------------------------------------------------
 
 def checkpoints(output_dir: str | Path) -> list[Path]:
-    """The run's complete checkpoint-{step} directories, oldest first."""
-    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
-             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    """The run's complete checkpoint-{step} directories (trainer state written), oldest first."""
+    return list_checkpoints(output_dir, require="trainer_state.json")
 
 
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any, optimizer, scheduler,
@@ -534,12 +533,6 @@ def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig
     if "kl" in totals:
         out["kl"] = totals["kl"] / tokens
     return out
-
-
-def _trim_log(path: Path, step: int) -> None:
-    if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in keep))
 
 
 def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -607,8 +600,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
         random.setstate(rng["python"])
         if (last / "rollout.pt").exists():
             batch = RolloutBatch(**torch.load(last / "rollout.pt", weights_only=False))
-        _trim_log(log_path, step)
-        _trim_log(completions_log, step)
+        trim_log(log_path, step)
+        trim_log(completions_log, step)
     else:  # a fresh run starts fresh logs
         log_path.unlink(missing_ok=True)
         completions_log.unlink(missing_ok=True)

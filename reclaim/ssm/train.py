@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
 from reclaim.ssm.adjoint import RECOMPUTE, adjoint_loss_backward, aligned_labels, chunk_bounds
 
@@ -176,7 +177,6 @@ def loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, cfg: SSMTrain
 
 # ---- checkpoints -------------------------------------------------------------------------------
 
-CHECKPOINT_PREFIX = "checkpoint-"
 
 
 def _load_weights(model: torch.nn.Module, path: Path) -> None:
@@ -190,14 +190,6 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
                 p.copy_(src[name])
             except KeyError as e:
                 raise ValueError(f"checkpoint {str(path)!r} has no tensor {name!r}") from e
-
-
-def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """The run's complete checkpoint-{step} directories, oldest first."""
-    root = Path(output_dir)
-    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*")
-             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
@@ -222,13 +214,6 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
     return atomic_dir(output_dir / f"{CHECKPOINT_PREFIX}{step}", write)
-
-
-def _trim_log(path: Path, step: int) -> None:
-    """Drop log lines past `step` (written after the checkpoint we resume from)."""
-    if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in keep))
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -382,7 +367,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
         _load_weights(model, last)  # whole, on the CPU: by layer a rank then keeps its block
         step, history = state["global_step"], state["log_history"]
         if lead:
-            _trim_log(log_path, step)
+            trim_log(log_path, step)
     elif lead and log_path.exists():
         log_path.unlink()  # a fresh run starts a fresh log
     layer = cfg.sharding == "layer"
