@@ -199,10 +199,9 @@ def demo(
     typer.echo("== inference engine: a batch of chat prompts on the default model ==")
     run_demo(model, tok, max_tokens=max_tokens)
     if speculative == "auto":
-        from reclaim.rl.drafter_trainer import cache_root_drafters
-        from reclaim.models.loading import default_model_dir
+        from reclaim.rl.drafter_trainer import default_drafter_path
 
-        cached = (cache_root_drafters() / default_model_dir().name / "config.json").is_file()
+        cached = (default_drafter_path() / "config.json").is_file()
         speculative = "eagle" if cached else "ngram"
         if not cached:  # keeps the first demo short; training the drafter takes about 2 min here
             typer.echo("\n(no EAGLE drafter cached yet: `reclaim demo --speculative eagle` or `reclaim drafter "

@@ -61,8 +61,9 @@ def chat_loop(engine: Engine, params: SamplingParams, lines: Iterable[str], out:
     return history
 
 
-def demo(model: Any, tokenizer: Any, *, max_tokens: int = 64, out: TextIO = sys.stdout) -> dict[str, float]:
+def demo(model: Any, tokenizer: Any, *, max_tokens: int = 64, out: TextIO | None = None) -> dict[str, float]:
     """A batch of chat prompts through the engine at once; prints answers and tokens/s."""
+    out = out or sys.stdout
     engine = Engine(model, tokenizer, max_num_seqs=len(DEMO_QUESTIONS), max_model_len=1024)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     t = time.perf_counter()
@@ -80,8 +81,9 @@ SPEC_QUESTION = ("A shop sells 23 apples in the morning and 17 in the afternoon.
 
 
 def speculative_demo(model: Any, tokenizer: Any, speculative: Any, *, max_tokens: int = 96,
-                     out: TextIO = sys.stdout) -> dict[str, float]:
+                     out: TextIO | None = None) -> dict[str, float]:
     """One prompt decoded plainly, then speculatively: the same text, the speed-up and tau."""
+    out = out or sys.stdout
     prompt = encode_chat(tokenizer, [{"role": "user", "content": SPEC_QUESTION}])
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     runs = {}

@@ -633,6 +633,13 @@ DEFAULT_DRAFTER_CONFIG = "drafter-smollm2"
 TRAIN_INFO = "train_info.json"
 
 
+def default_drafter_path() -> Path:
+    """Where the bundled model's drafter is cached (it may not be there yet)."""
+    from reclaim.models.loading import default_model_dir
+
+    return cache_root() / "drafters" / default_model_dir().name
+
+
 def default_drafter_dir(log: Callable[[str], None] = print, progress: bool = True) -> Path:
     """The bundled model's EAGLE drafter, `$RECLAIM_CACHE/drafters/<model>`: trained on first use
     with the bundled drafter-smollm2 config (its train_info.json says how long that took and the
@@ -643,7 +650,7 @@ def default_drafter_dir(log: Callable[[str], None] = print, progress: bool = Tru
     from reclaim.models.loading import build_once, default_model_dir
 
     model_dir = default_model_dir()
-    where = cache_root() / "drafters" / model_dir.name
+    where = default_drafter_path()
 
     def build(out: Path) -> None:
         log(f"training an EAGLE drafter for {model_dir.name} on first use ({DEFAULT_DRAFTER_CONFIG}); "
