@@ -29,8 +29,11 @@ class SamplingParams:
     Logits processing, in this order: logit_bias (OpenAI: added to the logits), repetition_penalty
     (HF/vLLM: over prompt and output tokens, 1 = off), presence_penalty and frequency_penalty
     (OpenAI: over output tokens), min_tokens (EOS and stop_token_ids masked until that many
-    tokens), then `constraint` (a grammar: see constraint.py; one object per request, it holds
-    state). max_tokens 0 runs the prefill only (e.g. for prompt_logprobs).
+    tokens), allowed_token_ids (vLLM: every other token masked), bad_words_token_ids (vLLM's
+    bad_words as token sequences: the last token of a sequence is masked when the output ends
+    with the rest of it; see server/plan.py for how words become sequences), then `constraint`
+    (a grammar: see constraint.py; one object per request, it holds state). max_tokens 0 runs
+    the prefill only (e.g. for prompt_logprobs).
     """
 
     temperature: float = 1.0
@@ -50,6 +53,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     constraint: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,15 @@ class SamplingParams:
                 for t, b in self.logit_bias.items())), "logit_bias",
              None if self.logit_bias is None else dict(list(self.logit_bias.items())[:4]),
              "at most 1024 token ids >= 0 with biases from -100 to 100"),
+            (self.allowed_token_ids is None or (0 < len(self.allowed_token_ids) and all(
+                isinstance(t, int) and 0 <= t < 2**31 for t in self.allowed_token_ids)), "allowed_token_ids",
+             None if self.allowed_token_ids is None else self.allowed_token_ids[:8],
+             "None or a non-empty list of token ids >= 0"),
+            (self.bad_words_token_ids is None or all(
+                isinstance(w, list) and w and all(isinstance(t, int) and 0 <= t < 2**31 for t in w)
+                for w in self.bad_words_token_ids), "bad_words_token_ids",
+             None if self.bad_words_token_ids is None else self.bad_words_token_ids[:4],
+             "None or a list of non-empty token id sequences, ids >= 0"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              self.prompt_logprobs, "None or 0..20"),
             (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63), "seed",
@@ -103,7 +117,8 @@ class SamplingParams:
         """Whether anything changes the logits before the filters (such rows are not speculated:
         their distribution depends on the tokens before them in a draft)."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.constraint is not None)
+                    or self.repetition_penalty != 1.0 or self.constraint is not None
+                    or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
 
 @dataclass

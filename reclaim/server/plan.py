@@ -133,8 +133,30 @@ def _max_tokens(asked: int | None, default: int | None, prompt_len: int, limits:
     return asked
 
 
+def bad_words_token_ids(words: list[str], tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as encoded alone and after a space (as it
+    appears mid-text), the spaced form only when banning the plain one does not already ban it
+    (it does not end with it). vLLM keeps the spaced form only when it has the plain one's
+    length, which lets " exaggerated" through when "exaggerated" is three tokens (vLLM issue
+    #32557); here it is kept whatever its length."""
+    out: list[list[int]] = []
+    for i, word in enumerate(words):
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise APIError(400, f"bad_words[{i}] ({word[:40]!r}) encodes to no token; send words "
+                           f"the tokenizer can encode", param="bad_words")
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [plain] + ([spaced] if spaced[-len(plain):] != plain else [])
+    bad = next((t for w in out for t in w if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"bad_words encode to token id {bad}, outside the model's vocabulary; "
+                       f"allowed: 0 to {vocab_size - 1}", param="bad_words")
+    return out
+
+
 def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_offset: int,
-            limits: Limits, prompt_logprobs: int | None = None, constraint: Any = None) -> SamplingParams:
+            limits: Limits, prompt_logprobs: int | None = None, constraint: Any = None,
+            bad_words: list[list[int]] | None = None) -> SamplingParams:
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
@@ -145,6 +167,14 @@ def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_of
     if bad is not None:
         raise APIError(400, f"logit_bias has token id {bad}; allowed: 0 to "
                        f"{limits.vocab_size - 1}", param="logit_bias")
+    allowed = req.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise APIError(400, "allowed_token_ids is an empty list; send at least one token id, or "
+                       "omit it", param="allowed_token_ids")
+    bad = next((t for t in allowed or [] if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"allowed_token_ids has token id {bad}; allowed: 0 to "
+                       f"{limits.vocab_size - 1}", param="allowed_token_ids")
     if req.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens={req.min_tokens} is more than the {max_tokens} tokens "
                        f"this request may generate", param="min_tokens")
@@ -163,7 +193,9 @@ def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_of
             min_tokens=req.min_tokens, presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=bias or None, prompt_logprobs=prompt_logprobs, constraint=constraint)
+            logit_bias=bias or None, prompt_logprobs=prompt_logprobs, constraint=constraint,
+            allowed_token_ids=None if allowed is None else sorted(set(allowed)),
+            bad_words_token_ids=bad_words or None)
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split("=", 1)[0]) from exc
 
@@ -220,8 +252,10 @@ def _expand(kind: Literal["chat", "completion"], prefix: str, req: SamplingReque
             model: str, limits: Limits, grammar: Grammar | None, grammars: GrammarCompiler,
             prompt_logprobs: int | None = None, **plan: Any) -> Plan:
     choices = [(p, k) for p in range(len(prompts)) for k in range(req.n)]
+    bad_words = bad_words_token_ids(req.bad_words, grammars.tokenizer, limits.vocab_size) \
+        if req.bad_words else None
     params = [_params(req, max_tokens[p], logprobs, i, limits, prompt_logprobs,
-                      grammars.constraint(grammar) if grammar else None)
+                      grammars.constraint(grammar) if grammar else None, bad_words)
               for i, (p, _) in enumerate(choices)]
     rid = new_id(prefix) if req.request_id is None else f"{prefix}-{req.request_id}"
     return Plan(kind=kind, response_id=rid, model=model, created=int(time.time()),

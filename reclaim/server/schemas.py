@@ -27,6 +27,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 MAX_TOOLS = 128
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary served here
+MAX_BAD_WORDS = 256  # each is matched against the output at every step
 
 # Fields of OpenAI's and vLLM's requests this server does not implement -> their neutral values
 # (sending one of those, or null, is accepted: it asks for nothing).
@@ -34,8 +36,8 @@ REFUSED: dict[str, tuple] = {
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "functions": ([],), "function_call": ("none",),
     "suffix": ("",), "best_of": (1,), "store": (False,), "service_tier": ("auto", "default"),
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "allowed_token_ids": (),
-    "bad_words": ([],), "documents": ([],), "mm_processor_kwargs": ({},), "structural_tag": (),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "documents": ([],),
+    "mm_processor_kwargs": ({},), "structural_tag": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (), "priority": (0,),
     "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": ({},),
@@ -154,6 +156,8 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -185,6 +189,15 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"a stop string has {len(bad)} characters; allowed: 1 to "
                              f"{MAX_STOP_CHARS}")
         return stop
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, words: list[str] | None) -> list[str] | None:
+        for i, word in enumerate(words or []):
+            if not 0 < len(word.strip()) <= MAX_STOP_CHARS:
+                raise ValueError(f"word {i} has {len(word.strip())} characters besides spaces; "
+                                 f"allowed: 1 to {MAX_STOP_CHARS}")
+        return words
 
     @field_validator("logit_bias")
     @classmethod

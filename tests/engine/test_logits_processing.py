@@ -1,7 +1,9 @@
 """Logits processing inside the engine's sampler, against oracles: transformers' repetition
 penalty, OpenAI's presence/frequency formula applied in a plain decoding loop, logit_bias,
-min_tokens, grammar constraints (tokens outside the mask never appear; a raising constraint fails
-its request alone), and prompt logprobs equal to log_softmax of one full forward."""
+min_tokens, allowed_token_ids (transformers' prefix_allowed_tokens_fn) and bad words
+(transformers' bad_words_ids), grammar constraints (tokens outside the mask never appear; a
+raising constraint fails its request alone), and prompt logprobs equal to log_softmax of one
+full forward."""
 
 import pytest
 import torch
@@ -144,3 +146,70 @@ def test_prompt_logprobs_come_with_the_first_output(tiny):
         outs += eng.step()
     assert outs[0].prompt_logprobs is not None and len(outs[0].prompt_logprobs) == 11
     assert all(o.prompt_logprobs is None for o in outs[1:-1]) and outs[-1].prompt_logprobs == outs[0].prompt_logprobs
+
+
+def _hf_greedy(hf, prompt, n, **kw):
+    with torch.no_grad():
+        return hf.generate(input_ids=torch.tensor([prompt]),
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)[0, len(prompt):].tolist()
+
+
+def _contains(seq, word):
+    return any(seq[i:i + len(word)] == word for i in range(len(seq) - len(word) + 1))
+
+
+def test_allowed_token_ids_equal_transformers_prefix_allowed_tokens(tiny):
+    ours, hf = tiny
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = _engine(ours).generate([PROMPT], greedy)[0].token_ids
+    allowed = sorted(set(range(40, 90)) - set(plain))  # binds: greedy's own tokens are left out
+    got = _engine(ours).generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                          allowed_token_ids=allowed))[0].token_ids
+    assert got == _hf_greedy(hf, PROMPT, 12, prefix_allowed_tokens_fn=lambda _b, _ids: allowed)
+    assert set(got) <= set(allowed)
+    loose = sorted(set(plain) | {1, 2, 3})  # does not bind: plain greedy comes out unchanged
+    assert _engine(ours).generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                           allowed_token_ids=loose))[0].token_ids == plain
+    sampled = _engine(ours).generate([PROMPT], SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True,
+                                                              allowed_token_ids=[3, 17, 64]))[0].token_ids
+    assert len(sampled) == 30 and set(sampled) <= {3, 17, 64}
+
+
+def test_bad_words_equal_transformers_no_bad_words(tiny):
+    ours, hf = tiny
+    plain = _engine(ours).generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    words = [[plain[4]], plain[7:9], plain[10:13]]  # one, two and three tokens that greedy produces
+    assert not any(PROMPT[-len(w) + 1:] == w[:-1] for w in words if len(w) > 1)  # HF also matches the prompt
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words_token_ids=words)
+    got = _engine(ours).generate([PROMPT], p)[0].token_ids
+    assert got == _hf_greedy(hf, PROMPT, 16, bad_words_ids=words) and got != plain
+    assert not any(_contains(got, w) for w in words)
+    unused = [t for t in range(ours.config.vocab_size) if t not in plain]
+    absent = [[unused[0]], [plain[0], unused[1]], [unused[2], plain[1]]]  # never completed: no change
+    assert _engine(ours).generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                           bad_words_token_ids=absent))[0].token_ids == plain
+    for seed in range(3):  # sampled, the banned sequences never complete
+        p = SamplingParams(temperature=1.5, seed=seed, max_tokens=40, ignore_eos=True,
+                           bad_words_token_ids=words + [[5], [9, 33]])
+        out = _engine(ours).generate([PROMPT], p)[0]
+        assert not any(_contains(out.token_ids, w) for w in words + [[5], [9, 33]])
+
+
+def test_token_restrictions_out_of_vocabulary_fail_the_request_alone(tiny):
+    ours, _ = tiny
+    v = ours.config.vocab_size
+    ok = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = _engine(ours).generate([PROMPT] * 4, [
+        SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[3, v + 5]),
+        SamplingParams(temperature=0, max_tokens=4, bad_words_token_ids=[[v]]),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, allowed_token_ids=[7], bad_words_token_ids=[[7]]),
+        ok])
+    assert outs[0].finish_reason == "error"
+    assert f"allowed_token_ids has token id {v + 5}; allowed: 0 to {v - 1}" in outs[0].error
+    assert outs[1].finish_reason == "error" and f"bad_words has token id {v}; allowed: 0 to {v - 1}" in outs[1].error
+    assert outs[2].finish_reason == "error" and "leave no token" in outs[2].error
+    assert outs[3].token_ids == _engine(ours).generate([PROMPT], ok)[0].token_ids
+    for kw in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"bad_words_token_ids": [[]]}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)

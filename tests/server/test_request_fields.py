@@ -46,6 +46,8 @@ SHARED = {
     "min_tokens": (2, "test_request_options"),
     "truncate_prompt_tokens": (4, "test_request_options"),
     "prompt_logprobs": (1, "test_prompt_logprobs"),
+    "allowed_token_ids": ([5, 6, 7], "test_token_restrictions"),
+    "bad_words": (["fox"], "test_token_restrictions"),
     "guided_json": (SCHEMA, "test_structured_output"),
     "guided_regex": ("[ab]{2}", "test_structured_output"),
     "guided_choice": (["y", "n"], "test_structured_output"),
@@ -73,7 +75,7 @@ COMPANIONS = {"top_logprobs": {"logprobs": True}, "tool_choice": {"tools": [TOOL
               "parallel_tool_calls": {"tools": [TOOL]}, "stream_options": {"stream": True}}
 SAMPLES = {"modalities": ["audio"], "function_call": "auto", "functions": [{"name": "f"}],
            "suffix": "x", "best_of": 2, "store": True, "service_tier": "flex",
-           "length_penalty": 2.0, "bad_words": ["x"], "priority": 1,
+           "length_penalty": 2.0, "priority": 1,
            "return_tokens_as_token_ids": True, "return_token_ids": True,
            "skip_special_tokens": False, "spaces_between_special_tokens": False,
            "logits_processors": ["x"], "documents": [{"title": "x"}], "echo": True}
