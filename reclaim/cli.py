@@ -406,20 +406,31 @@ def bench_serve(
     gap_budgets: str = typer.Option("256,2048", help="max_num_batched_tokens values for the inter-token-gap "
                                                      "point; empty skips it."),
     long_prompt_tokens: int = typer.Option(8000, help="The long prompt of the gap point (clipped to the context)."),
+    structured_concurrency: str = typer.Option("1,8", help="Client counts of the structured-output point "
+                                                           "(json_schema vs unconstrained); empty skips it."),
+    only: str = typer.Option(None, help="'structured': run only the structured-output point and add it "
+                                        "to OUT_DIR/serve.json."),
     threads: int = typer.Option(None, help="torch threads (default: torch's)."),
     device: str = typer.Option("cpu", help="Torch device."),
     out_dir: str = typer.Option("benchmarks", help="Where serve.json and serve.png go."),
 ) -> None:
-    """Server throughput and TTFT/TPOT vs the engine and transformers (static batching), and a
-    stream's worst inter-token gap beside a long prompt."""
+    """Server throughput and TTFT/TPOT vs the engine and transformers (static batching), a
+    stream's worst inter-token gap beside a long prompt, and structured output's cost."""
     from reclaim.bench.serve import ServeBenchSpec, main
 
-    spec = ServeBenchSpec(model=model, concurrency=[int(c) for c in concurrency.split(",")],
-                          max_tokens=max_tokens, requests_per_client=requests_per_client,
-                          repeats=repeats, gap_budgets=[int(b) for b in gap_budgets.split(",") if b],
-                          long_prompt_tokens=long_prompt_tokens, threads=threads, device=device,
-                          out_dir=out_dir)
-    main(spec)
+    try:
+        spec = ServeBenchSpec(model=model, concurrency=[int(c) for c in concurrency.split(",")],
+                              max_tokens=max_tokens, requests_per_client=requests_per_client,
+                              repeats=repeats, gap_budgets=[int(b) for b in gap_budgets.split(",") if b],
+                              long_prompt_tokens=long_prompt_tokens,
+                              structured_concurrency=[int(c) for c in structured_concurrency.split(",") if c],
+                              only=only, threads=threads, device=device, out_dir=out_dir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    try:
+        main(spec)
+    except FileNotFoundError as e:  # --only structured without the sweep's serve.json
+        raise typer.BadParameter(str(e)) from e
     typer.echo(f"wrote {out_dir}/serve.json and {out_dir}/serve.png")
 
 

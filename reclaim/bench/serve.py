@@ -15,6 +15,12 @@ The gap point (issue 12): one stream runs alone, then again while a ~8K-token pr
 the model's context allows) is sent after its first tokens; the worst gap between its tokens is
 reported at each `max_num_batched_tokens` (the engine's token budget per step, passed through the
 server's engine args), with the long prompt's time to first token beside it.
+
+The structured-output point (issue 11): at each concurrency, the same clients send requests with
+`response_format: json_schema` (STRUCTURED_SCHEMA by default, strict; the grammar ends each reply) and then
+unconstrained ones, as many tokens per request as the constrained replies averaged; tokens/s of
+both and the ratio, every constrained output validated against the schema. `only="structured"`
+runs this point alone and adds it to an existing serve.json.
 """
 
 from __future__ import annotations
@@ -54,6 +60,19 @@ QUESTIONS = [
     "Explain recursion with a short example.",
     "What makes a good password?",
 ]
+# Bounded (enums, maxLength, maxItems), so every reply ends within STRUCTURED_MAX_TOKENS.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "enum": ["science", "history", "code", "health", "food",
+                                             "travel", "language", "other"]},
+        "answer": {"type": "string", "maxLength": 80},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        "keywords": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+    },
+    "required": ["topic", "answer", "confidence", "keywords"],
+    "additionalProperties": False,
+}
 
 
 @dataclass
@@ -72,9 +91,20 @@ class ServeBenchSpec:
     gap_budgets: list[int] = field(default_factory=lambda: [256, 2048])
     long_prompt_tokens: int = 8000
     gap_stream_tokens: int = 32
+    # The structured-output point: json_schema against unconstrained requests at these
+    # concurrencies (empty skips it); `only="structured"` runs it alone (see main).
+    structured_concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    structured_max_tokens: int = 160
+    structured_schema: dict = field(default_factory=lambda: json.loads(json.dumps(STRUCTURED_SCHEMA)))
+    only: str | None = None
     threads: int | None = None
     device: str = "cpu"
     out_dir: str = "benchmarks"
+
+    def __post_init__(self) -> None:
+        if self.only not in (None, "structured"):
+            raise ValueError(f"only={self.only!r} is not a point of this benchmark; allowed: "
+                             f"None (the whole sweep) or 'structured'")
 
 
 @dataclass
@@ -151,22 +181,29 @@ def chat_messages(i: int) -> list[dict[str, str]]:
 # ---- reclaim server through the openai client ----
 
 async def _client_loop(client: Any, model: str, queue: deque, max_tokens: int,
-                       out: list[Timing]) -> None:
+                       out: list[Timing], texts: list[str] | None = None, **extra: Any) -> None:
+    """Send queued requests one after another; `extra` goes to the request (response_format),
+    and each reply's text to `texts` when given."""
     while queue:
         i = queue.popleft()
         start = time.perf_counter()
         first = None
         tokens = 0
+        parts: list[str] = []
         stream = await client.chat.completions.create(
             model=model, messages=chat_messages(i), max_tokens=max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            **extra)
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and first is None:
-                first = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                parts.append(chunk.choices[0].delta.content)
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
         end = time.perf_counter()
         out.append(Timing(start, first or end, end, tokens))
+        if texts is not None:
+            texts.append("".join(parts))
 
 
 def _client(url: str) -> Any:
@@ -175,12 +212,14 @@ def _client(url: str) -> Any:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
 
 
-async def run_server_level(url: str, model: str, c: int, n: int, max_tokens: int) -> dict:
-    """`c` closed-loop streaming clients sending `n` requests in all."""
+async def run_server_level(url: str, model: str, c: int, n: int, max_tokens: int,
+                           texts: list[str] | None = None, **extra: Any) -> dict:
+    """`c` closed-loop streaming clients sending `n` requests in all (`extra`, `texts`: see
+    _client_loop)."""
     queue, timings = deque(range(n)), []
     async with _client(url) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(_client_loop(client, model, queue, max_tokens, timings)
+        await asyncio.gather(*(_client_loop(client, model, queue, max_tokens, timings, texts, **extra)
                                for _ in range(c)))
         wall = time.perf_counter() - t0
     return summarize(timings, wall)
@@ -334,6 +373,73 @@ def gap_point(model: Any, tokenizer: Any, name: str, spec: ServeBenchSpec) -> di
             "clipped_to_context": n_long < spec.long_prompt_tokens, "budgets": rows}
 
 
+# ---- structured output against unconstrained ----
+
+def valid_outputs(texts: list[str], schema: dict) -> int:
+    """How many of `texts` are JSON that `schema` accepts."""
+    import jsonschema
+
+    ok = 0
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            continue
+        ok += 1
+    return ok
+
+
+def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any]:
+    """At each concurrency and repeat: json_schema requests, then as many unconstrained ones with
+    as many tokens per request as the constrained replies averaged (ignore_eos), back to back."""
+    schema = spec.structured_schema
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    levels = []
+    for c in spec.structured_concurrency:
+        n = max(spec.min_requests, spec.requests_per_client * c)
+        got: dict[str, list] = {"json_schema": [], "unconstrained": []}
+        valid = total = 0
+        for r in range(spec.repeats):
+            texts: list[str] = []
+            js = asyncio.run(run_server_level(url, name, c, n, spec.structured_max_tokens, texts,
+                                              response_format=fmt))
+            valid, total = valid + valid_outputs(texts, schema), total + len(texts)
+            per_request = max(1, round(js["output_tok_per_s"] * js["wall_s"] / js["requests"]))
+            free = asyncio.run(run_server_level(url, name, c, n, per_request))
+            got["json_schema"].append(js)
+            got["unconstrained"].append(free)
+            print(f"structured repeat {r + 1}/{spec.repeats} c={c}: json_schema {_line(js)}; "
+                  f"unconstrained ({per_request} tokens/request) {_line(free)}", flush=True)
+        ratios = [a["output_tok_per_s"] / b["output_tok_per_s"]
+                  for a, b in zip(got["json_schema"], got["unconstrained"])]
+        levels.append({"concurrency": c, "requests": n, **{k: aggregate(v) for k, v in got.items()},
+                       "json_schema_vs_unconstrained_tok_per_s": spread(ratios),
+                       "outputs_valid": valid, "outputs": total})
+    return {"schema": schema, "max_tokens": spec.structured_max_tokens, "levels": levels}
+
+
+def run_structured(spec: ServeBenchSpec) -> dict:
+    """The structured-output point alone, with its own run metadata."""
+    from reclaim.models.loading import load_model, resolve_model_dir
+    from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    meta = run_metadata()
+    model_dir = resolve_model_dir(spec.model)
+    model, tokenizer = load_model(model_dir, device=spec.device)
+    name = model_dir.name
+    app, _, _ = build_app(model, tokenizer, (name,),
+                          EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device))
+    server = BackgroundServer(app)
+    try:
+        asyncio.run(run_server_level(server.url, name, 1, 2, 4))  # warm-up
+        point = structured_point(server.url, name, spec)
+    finally:
+        server.stop()
+    return {**point, "model": str(model_dir), **finish_metadata(meta), "device": spec.device}
+
+
 # ---- the sweep ----
 
 def run(spec: ServeBenchSpec) -> dict:
@@ -374,6 +480,7 @@ def run(spec: ServeBenchSpec) -> dict:
                 got["hf_static"].append(in_thread(run_hf_static, hf, prompts[:n], c, spec.max_tokens, pad))
                 print(f"repeat {r + 1}/{spec.repeats} c={c}: " + "; ".join(
                     f"{side} {_line(v[-1])}" for side, v in got.items()), flush=True)
+        structured = structured_point(server.url, name, spec) if spec.structured_concurrency else None
     finally:
         server.stop()
     del engine, app, server
@@ -394,7 +501,7 @@ def run(spec: ServeBenchSpec) -> dict:
     return {"benchmark": "serve", "model": str(model_dir), "spec": asdict(spec),
             **finish_metadata(meta), "device": spec.device,
             "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
-            "levels": levels, "inter_token_gap": gaps}
+            "levels": levels, "inter_token_gap": gaps, "structured_output": structured}
 
 
 def _line(r: dict) -> str:
@@ -413,7 +520,9 @@ def plot(result: dict, path: Path) -> None:
     levels = result["levels"]
     cs = [lv["concurrency"] for lv in levels]
     gaps = result.get("inter_token_gap")
-    fig, axes = plt.subplots(1, 3 if gaps else 2, figsize=(15 if gaps else 11, 4))
+    structured = result.get("structured_output")
+    panels = 2 + bool(gaps) + bool(structured)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels + 1, 4))
     a, b = axes[0], axes[1]
     for side, style, label in (("server", "o-", "reclaim server (HTTP, SSE)"),
                                ("engine", "s--", "reclaim engine, direct"),
@@ -448,6 +557,8 @@ def plot(result: dict, path: Path) -> None:
         g.set(yscale="log", ylabel="worst gap between tokens (ms)",
               title="Stream stall during a long prefill")
         g.legend(fontsize=8)
+    if structured:
+        plot_structured(axes[-1], structured)
     m = result["machine"]
     fig.suptitle(f"reclaim bench serve: {Path(result['model']).name}, "
                  f"{result['spec']['max_tokens']} output tokens/request, {result['device']}, "
@@ -457,10 +568,37 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_structured(ax: Any, point: dict) -> None:
+    """Tokens/s of json_schema and unconstrained requests per concurrency, the ratio on top."""
+    rows = point["levels"]
+    xs = range(len(rows))
+    for side, dx in (("json_schema", -0.2), ("unconstrained", 0.2)):
+        sp = [r[side]["output_tok_per_s_spread"] for r in rows]
+        med = [x["median"] for x in sp]
+        ax.bar([x + dx for x in xs], med, 0.4, label=side.replace("_", " "),
+               yerr=[[m - x["min"] for m, x in zip(med, sp)], [x["max"] - m for m, x in zip(med, sp)]],
+               capsize=3)
+    for x, r in zip(xs, rows):
+        top = max(r[side]["output_tok_per_s_spread"]["max"] for side in ("json_schema", "unconstrained"))
+        ax.annotate(f"{r['json_schema_vs_unconstrained_tok_per_s']['median']:.2f}x, "
+                    f"{r['outputs_valid']}/{r['outputs']} valid", (x, top), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [f"{r['concurrency']} clients" for r in rows])
+    ax.set(ylabel="output tokens/s", title="Structured output (json_schema) vs unconstrained")
+    ax.legend(fontsize=8, loc="lower right")
+
+
 def main(spec: ServeBenchSpec) -> dict:
-    """Run the sweep and write serve.json and serve.png under `spec.out_dir`."""
-    result = run(spec)
+    """Run the sweep and write serve.json and serve.png under `spec.out_dir`; with
+    only="structured", run that point alone and put it into the existing serve.json."""
     out = Path(spec.out_dir)
+    if spec.only == "structured":
+        if not (out / "serve.json").exists():
+            raise FileNotFoundError(f"{out / 'serve.json'} does not exist; run the whole sweep first")
+        result = json.loads((out / "serve.json").read_text())
+        result["structured_output"] = run_structured(spec)
+    else:
+        result = run(spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "serve.png")

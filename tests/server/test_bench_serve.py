@@ -1,4 +1,5 @@
-"""`reclaim bench serve` end to end on a tiny model, and its percentile against numpy's."""
+"""`reclaim bench serve` end to end on a tiny model (the structured-output point too, alone and in
+the sweep), and its percentile against numpy's."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_bench_serve_writes_json_and_png(tmp_path):
     spec = ServeBenchSpec(model=str(model_dir), concurrency=[1, 3], max_tokens=5,
                           requests_per_client=1, min_requests=2, repeats=2, max_num_seqs=4,
                           gap_budgets=[16, 64], long_prompt_tokens=150, gap_stream_tokens=4,
-                          out_dir=str(tmp_path / "out"))
+                          structured_concurrency=[2], structured_max_tokens=40,
+                          structured_schema=SMALL_SCHEMA, out_dir=str(tmp_path / "out"))
     main(spec)
     result = json.loads((tmp_path / "out" / "serve.json").read_text())
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
@@ -51,3 +53,36 @@ def test_bench_serve_writes_json_and_png(tmp_path):
     for b in gaps["budgets"]:
         assert b["alone"]["worst_gap_ms"] > 0 and b["with_long_prompt"]["worst_gap_ms"] > 0
         assert b["with_long_prompt"]["long_prompt_ttft_s"] > 0
+    _check_structured(result["structured_output"], [2])
+    # The point alone, put into the sweep's JSON (the rest kept).
+    main(ServeBenchSpec(model=str(model_dir), only="structured", structured_concurrency=[1, 3],
+                        structured_max_tokens=40, structured_schema=SMALL_SCHEMA, repeats=1,
+                        min_requests=2, requests_per_client=1, max_num_seqs=4,
+                        out_dir=str(tmp_path / "out")))
+    again = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert again["levels"] == result["levels"] and again["inter_token_gap"] == gaps
+    _check_structured(again["structured_output"], [1, 3])
+    assert again["structured_output"]["machine"]["load_average_at_start"]
+
+
+SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                 "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["ok", "n"], "additionalProperties": False}
+
+
+def _check_structured(point: dict, concurrency: list[int]) -> None:
+    assert [lv["concurrency"] for lv in point["levels"]] == concurrency
+    for lv in point["levels"]:
+        assert lv["outputs"] == lv["requests"] * len(lv["json_schema"]["runs"])
+        assert lv["outputs_valid"] == lv["outputs"]  # every reply parses and fits the schema
+        for js, free in zip(lv["json_schema"]["runs"], lv["unconstrained"]["runs"]):
+            # The unconstrained requests make as many tokens per request as the constrained made.
+            tokens = js["output_tok_per_s"] * js["wall_s"] / js["requests"]
+            assert free["output_tok_per_s"] * free["wall_s"] / free["requests"] == \
+                pytest.approx(max(1, round(tokens)))
+        assert lv["json_schema_vs_unconstrained_tok_per_s"]["median"] > 0
+
+
+def test_unknown_point_is_refused():
+    with pytest.raises(ValueError, match="only='gaps'.*allowed"):
+        ServeBenchSpec(only="gaps")
