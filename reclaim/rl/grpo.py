@@ -19,8 +19,16 @@ gradient_accumulation_steps, its default):
    from them, no K/V of old weights reused).
 
 `reclaim grpo --config grpo-smollm2` runs it with a progress bar, output_dir/log.jsonl,
-checkpoint-{step}/ directories (HF layout + optimizer, scheduler, RNG, trainer_state.json) and
---resume.
+checkpoint-{step}/ directories (HF layout + optimizer, scheduler, RNG, trainer_state.json, the
+online drafter) and --resume.
+
+`torchrun --nproc_per_node=N -m reclaim.cli grpo ...` runs N rollout workers: each rolls out a
+contiguous share of the step's prompts on its own engine (same per-completion seeds, so the
+completions are one process's), scores it, and the shares are gathered; the policy trains data
+parallel (distributed.py: replicas, gradients summed by one all-reduce), per_device_train_batch_size
+per rank as in TRL; rank 0 logs and writes checkpoints, which hold the whole state and so resume
+at any world size. With drafter_online (TLT) the EAGLE drafter learns from the rollouts' hidden
+states on the workers that finished their share early (drafter_trainer.OnlineDrafter).
 """
 
 from __future__ import annotations
@@ -45,7 +53,9 @@ from reclaim.checkpoints import checkpoints as list_checkpoints
 from reclaim.engine.speculative import SpeculativeConfig
 from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
-from reclaim.rl.rollout import AdaptiveRollout
+from reclaim.rl.distributed import World
+from reclaim.rl.drafter_trainer import OnlineDrafter
+from reclaim.rl.rollout import AdaptiveRollout, RolloutStats
 from reclaim.schedule import SCHEDULES, lr_scheduler
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -56,12 +66,13 @@ DEFAULT_TEMPLATE = "{question}\nGive the final answer in <answer></answer> tags.
 
 @dataclass
 class GRPOConfig:
-    """`reclaim grpo`: TRL's GRPOConfig names and meanings (one process; steps_per_generation is
-    gradient_accumulation_steps). Load one with `load_config(GRPOConfig, path_or_name, overrides)`."""
+    """`reclaim grpo`: TRL's GRPOConfig names and meanings (steps_per_generation is
+    gradient_accumulation_steps; batch sizes are per rank under torchrun). Load one with
+    `load_config(GRPOConfig, path_or_name, overrides)`."""
 
     output_dir: str = "runs/grpo"
     model: str | None = None  # HF directory; None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "float32"
+    dtype: str = "float32"  # auto: the checkpoint's own dtype
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
@@ -116,13 +127,22 @@ class GRPOConfig:
     adaptive: bool = True  # a bandit per batch-size bucket picks plain or a depth; False: the deepest
     bandit_policy: str = "epsilon_greedy"  # or ucb1
     bandit_epsilon: float = 0.1
+    # The EAGLE drafter trained online on the rollouts' hidden states (TLT; needs speculative eagle):
+    # one process trains it right after each rollout for drafter_max_steps_per_rollout steps;
+    # under torchrun the ranks that finish their share early train it until the slowest is done
+    # (at most that many steps), and the most-trained drafter goes to every rank for the next rollout.
+    drafter_online: bool = False
+    drafter_buffer_tokens: int = 65536  # hidden states of recent rollouts kept (tokens; oldest dropped)
+    drafter_learning_rate: float = 1e-4
+    drafter_max_steps_per_rollout: int = 8
+    drafter_eval_samples: int = 4  # completions per step replayed for tau (online vs frozen); 0: none
 
     def __post_init__(self) -> None:
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         choices = [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("lr_scheduler_type", SCHEDULES),
-                   ("dtype", ("float32", "bfloat16", "float16"))]
+                   ("dtype", ("float32", "bfloat16", "float16", "auto"))]
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
@@ -164,12 +184,22 @@ class GRPOConfig:
             if not self.spec_depths or min(self.spec_depths) < 1 or self.spec_threshold < 1:
                 raise ValueError(f"spec_depths={self.spec_depths}, spec_threshold={self.spec_threshold}: need "
                                  "depths >= 1 and a threshold >= 1")
+        if self.drafter_online and not self.speculative.startswith("eagle"):
+            raise ValueError(f"drafter_online trains an EAGLE drafter; it needs speculative eagle or eagle:PATH, "
+                             f"got speculative={self.speculative!r}")
+        for name in ("drafter_buffer_tokens", "drafter_max_steps_per_rollout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.drafter_learning_rate <= 0 or self.drafter_eval_samples < 0:
+            raise ValueError(f"need drafter_learning_rate > 0 and drafter_eval_samples >= 0; got "
+                             f"{self.drafter_learning_rate}, {self.drafter_eval_samples}")
         if "{question}" not in self.prompt_template:
             raise ValueError(f"prompt_template {self.prompt_template!r} must contain {{question}}")
 
     @property
     def generation_batch_size(self) -> int:
-        """Completions per rollout (TRL: per_device_train_batch_size * steps_per_generation)."""
+        """Completions per rollout and rank (TRL: per_device_train_batch_size * steps_per_generation;
+        times the world size under torchrun)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     @property
@@ -388,27 +418,46 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, size: int, temperature: float) -> torch.Tensor:
+def _micro_batches(batch: RolloutBatch, cfg: GRPOConfig, world: World) -> list[list[int]]:
+    """This rank's micro-batches (rows of the batch): the step has gradient_accumulation_steps *
+    world.size of per_device_train_batch_size rows in `order`; rank r takes k * size + r, so the
+    ranks together take what one process accumulating all of them takes."""
+    b = cfg.per_device_train_batch_size
+    picks = [k * world.size + world.rank for k in range(cfg.gradient_accumulation_steps)]
+    return [batch.order[j * b:(j + 1) * b] for j in picks]
+
+
+def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, world: World) -> torch.Tensor:
+    """Log-probs [N, C] of the batch's completions under `model` (no grad), each rank computing
+    the rows of its micro-batches, summed over ranks."""
     out = torch.zeros(batch.mask.shape)
     with torch.no_grad():
-        for s in range(0, len(batch.prompt_ids), size):
-            lp, _ = completion_logps(model, batch.prompt_ids[s:s + size], batch.completion_ids[s:s + size],
-                                     temperature)
-            out[s:s + size, :lp.shape[1]] = lp.float().cpu()
-    return out
+        for idx in _micro_batches(batch, cfg, world):
+            lp, _ = completion_logps(model, [batch.prompt_ids[i] for i in idx],
+                                     [batch.completion_ids[i] for i in idx], cfg.temperature)
+            out[idx, :lp.shape[1]] = lp.float().cpu()
+    return world.sum_(out)
+
+
+def drafter_path(cfg: GRPOConfig) -> str:
+    """The EAGLE drafter directory cfg.speculative names (eagle: the bundled model's, trained on first use)."""
+    if cfg.speculative == "eagle":
+        from reclaim.rl.drafter_trainer import default_drafter_dir
+
+        return str(default_drafter_dir())
+    method, _, path = cfg.speculative.partition(":")
+    if method != "eagle":
+        raise ValueError(f"speculative={cfg.speculative!r} has no EAGLE drafter")
+    return path
 
 
 def rollout_runner(cfg: GRPOConfig, log: Callable[[dict[str, Any]], None] | None = None) -> AdaptiveRollout:
     """How rollouts decode: plain, or speculative in the tail with the config the bandit picks."""
     if cfg.speculative == "none":
         return AdaptiveRollout(None)
-    spec = cfg.speculative
-    if spec == "eagle":
-        from reclaim.rl.drafter_trainer import default_drafter_dir
-
-        spec = f"eagle:{default_drafter_dir()}"
-    method, _, path = spec.partition(":")
-    arms = [SpeculativeConfig(method=method, model=path or None, num_speculative_tokens=d, max_batch=cfg.spec_threshold)
+    method = cfg.speculative.partition(":")[0]
+    path = drafter_path(cfg) if method == "eagle" else None
+    arms = [SpeculativeConfig(method=method, model=path, num_speculative_tokens=d, max_batch=cfg.spec_threshold)
             for d in sorted(cfg.spec_depths)]
     arms = [None, *arms] if cfg.adaptive else arms[-1:]
     bandit = BucketedBandit(arms, buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.spec_threshold] or [1],
@@ -416,62 +465,131 @@ def rollout_runner(cfg: GRPOConfig, log: Callable[[dict[str, Any]], None] | None
     return AdaptiveRollout(bandit, threshold=cfg.spec_threshold, log=log)
 
 
+def _drafter_step(online: OnlineDrafter, outs: list, engine: Any, world: World) -> dict[str, Any]:
+    """The drafter's part of a rollout on this rank: its samples, and training on them (and the
+    buffer) right away with one process, or while the slowest worker is still rolling out."""
+    samples = online.collect(outs)
+    signal = world.signal_done()
+    t = time.perf_counter()
+    records = online.train(samples, engine.model, stop=signal.all_done if world.size > 1 else None)
+    train_s = time.perf_counter() - t
+    signal.wait()
+    return {"samples": samples, "steps": len(records), "train_s": train_s,
+            "loss": [r["loss"] for r in records]}
+
+
 def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], step: int, cfg: GRPOConfig,
             reward_funcs: Sequence[Callable], reward_names: Sequence[str], eos: set[int],
-            completions_log: Path | None = None, runner: AdaptiveRollout | None = None) -> RolloutBatch:
+            completions_log: Path | None = None, runner: AdaptiveRollout | None = None,
+            world: World | None = None, online: OnlineDrafter | None = None) -> RolloutBatch:
     """Sample num_generations completions per prompt on the engine (through `runner`: plain or
-    adaptive speculation) and score them (and append them to `completions_log`, JSON lines)."""
+    adaptive speculation) and score them (and append them to `completions_log`, JSON lines).
+
+    Under torchrun each rank rolls out and scores its contiguous share of the prompts on its own
+    engine, with the seeds of their places in the whole rollout, and the shares are gathered:
+    every rank holds the step's whole batch, as one process would have made it. With `online`,
+    the drafter learns from the rollout's hidden states (see OnlineDrafter) before the gather."""
     from reclaim.engine.request import SamplingParams
 
+    world = world or World()
     g = cfg.num_generations
-    ids = [p for p in prompts for _ in range(g)]
+    mine = world.share(len(prompts))
+    first = mine.start * g  # this share's first completion in the whole rollout
+    ids = [prompts[p] for p in mine for _ in range(g)]
+    rep = [rows[p] for p in mine for _ in range(g)]
     params = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_completion_length,
-                             seed=request_seed(cfg.seed, step, i)) for i in range(len(ids))]
+                             seed=request_seed(cfg.seed, step, first + i)) for i in range(len(ids))]
+    if online is not None:
+        online.begin_rollout()
     t0 = time.perf_counter()
-    outs, stats = (runner or AdaptiveRollout(None)).generate(engine, ids, params)
-    rollout_s = time.perf_counter() - t0
-    failed = [o for o in outs if o.finish_reason == "error"]
-    if failed:
-        raise RuntimeError(f"{len(failed)} rollout request(s) failed in the engine, e.g. {failed[0].error}")
-    completions = [list(o.token_ids) for o in outs]
+    outs: list = []
+    try:  # an error here is raised on every rank after the gather, so none waits for the others forever
+        outs, stats = (runner or AdaptiveRollout(None)).generate(engine, ids, params) if ids else ([], RolloutStats())
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} rollout request(s) failed in the engine, e.g. {failed[0].error}")
+        completions = [list(o.token_ids) for o in outs]
+        texts = [[{"role": "assistant", "content": o.text}] for o in outs]
+        columns = {k: [r.get(k) for r in rep] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"}
+        state = SimpleNamespace(global_step=step, max_steps=cfg.max_steps)
+        per_func = (score(reward_funcs, reward_names, [r["prompt"] for r in rep], texts, completions, columns,
+                          trainer_state=state) if ids else torch.empty(0, len(reward_funcs)))
+        part = {"completions": completions, "texts": texts, "per_func": per_func,
+                "busy_s": time.perf_counter() - t0, "stats": stats.to_dict()}
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        if world.size == 1:
+            raise
+        part, outs = {"error": exc}, []
+    if online is not None:
+        part["drafter"] = _drafter_step(online, outs, engine, world)
+    parts = world.gather(part)
+    errors = [p["error"] for p in parts if "error" in p]
+    if errors:
+        raise part.get("error", errors[0])
+    completions = [c for p in parts for c in p["completions"]]
+    texts = [t for p in parts for t in p["texts"]]
+    per_func = torch.cat([p["per_func"] for p in parts])
+    st = [p["stats"] for p in parts]
+    busy = [p["busy_s"] for p in parts]
+    rollout_s = max(busy)  # the step waits for the slowest worker
+
+    ids = [p for p in prompts for _ in range(g)]
+    rep = [r for r in rows for _ in range(g)]
     mask = completion_mask(completions)
     truncated = torch.tensor([not (c and c[-1] in eos) for c in completions])
     if cfg.mask_truncated_completions:
         mask = mask * (~truncated).float()[:, None]
-    rep = [r for r in rows for _ in range(g)]
-    columns = {k: [r.get(k) for r in rep] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"}
-    texts = [[{"role": "assistant", "content": o.text}] for o in outs]
-    state = SimpleNamespace(global_step=step, max_steps=cfg.max_steps)
-    per_func = score(reward_funcs, reward_names, [r["prompt"] for r in rep], texts, completions, columns,
-                     trainer_state=state)
     weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
     adv, rewards, std = group_advantages(per_func, weights, g, cfg.scale_rewards)
     lens = torch.tensor([len(c) for c in completions], dtype=torch.float)
     n_tokens = int(lens.sum())
+    tail_tokens, tail_s = sum(s["tail_tokens"] for s in st), sum(s["tail_seconds"] for s in st)
     metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": _nanstd(rewards).item(),
                "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
                "completions/mean_length": lens.mean().item(), "completions/min_length": lens.min().item(),
                "completions/max_length": lens.max().item(),
                "completions/clipped_ratio": truncated.float().mean().item(),
                "rollout_s": rollout_s, "rollout_tokens": n_tokens, "rollout_tokens_per_s": n_tokens / rollout_s,
-               "rollout_tail_s": stats.tail_seconds,
-               "rollout_tail_tokens_per_s": stats.to_dict()["tail_tokens_per_s"],
-               "rollout_spec_decisions": len(stats.decisions)}
-    verifies = stats.spec.get("verifies", 0)
-    if verifies:
-        metrics["rollout_spec_tau"] = (stats.spec["accepted"] + verifies) / verifies
-        metrics["rollout_spec_acceptance"] = stats.spec["accepted"] / max(1, stats.spec["drafted"])
+               "rollout_tail_s": max(s["tail_seconds"] for s in st),
+               "rollout_tail_tokens_per_s": tail_tokens / tail_s if tail_s else 0.0,  # per worker
+               "rollout_idle_s": sum(rollout_s - b for b in busy),  # workers waiting for the slowest
+               "rollout_spec_decisions": sum(len(s["decisions"]) for s in st)}
+    spec = {k: sum(s["spec"].get(k, 0) for s in st) for k in ("verifies", "accepted", "drafted")}
+    if spec["verifies"]:
+        metrics["rollout_spec_tau"] = (spec["accepted"] + spec["verifies"]) / spec["verifies"]
+        metrics["rollout_spec_acceptance"] = spec["accepted"] / max(1, spec["drafted"])
     for j, name in enumerate(reward_names):
         metrics[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, j]).item()
         metrics[f"rewards/{name}/std"] = _nanstd(per_func[:, j]).item()
-    if completions_log is not None:
+    if online is not None:
+        metrics.update(_sync_drafter(online, [p["drafter"] for p in parts], engine, world))
+    if completions_log is not None and world.is_main:
         with open(completions_log, "a") as f:
             for i, r in enumerate(rep):
-                f.write(json.dumps({"step": step + 1, "prompt": r["prompt"][-1]["content"], "completion": outs[i].text,
+                f.write(json.dumps({"step": step + 1, "prompt": r["prompt"][-1]["content"], "completion": texts[i][0]["content"],
                                     "rewards": dict(zip(reward_names, per_func[i].tolist())),
                                     "advantage": adv[i].item()}) + "\n")
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(request_seed(cfg.seed, step, -1)))
     return RolloutBatch(ids, completions, mask, adv, order.tolist(), metrics=metrics)
+
+
+def _sync_drafter(online: OnlineDrafter, parts: list[dict[str, Any]], engine: Any, world: World) -> dict[str, float]:
+    """Every rank takes the most-trained drafter; rank 0 replays the rollout for tau (online vs
+    frozen starting drafter). Metrics: drafter/steps (of the drafter in use next), its loss (first
+    and last step), steps summed over ranks, training seconds (the longest), buffer tokens, tau."""
+    src = online.sync(world, [p["samples"] for p in parts], [p["steps"] for p in parts])
+    losses = parts[src]["loss"]
+    out: dict[str, float] = {"drafter/steps": len(losses), "drafter/steps_all_ranks": sum(p["steps"] for p in parts),
+                             "drafter/train_s": max(p["train_s"] for p in parts),
+                             "drafter/buffer_tokens": online.buffer.num_tokens, "drafter/total_steps": online.steps}
+    if losses:
+        out["drafter/loss"] = sum(losses) / len(losses)
+        out["drafter/loss_first"], out["drafter/loss_last"] = losses[0], losses[-1]
+    if world.is_main and online.eval_samples:
+        t = time.perf_counter()
+        out.update(online.evaluate(parts[0]["samples"], engine.model))
+        out["drafter/eval_s"] = time.perf_counter() - t
+    return out
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -482,9 +600,10 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any, optimizer, scheduler,
-                    state: dict[str, Any], batch: RolloutBatch | None) -> Path:
+                    state: dict[str, Any], batch: RolloutBatch | None, online: OnlineDrafter | None = None) -> Path:
     """checkpoint-{step}/: the policy (HF layout), optimizer, scheduler, RNG states, the rollout
-    still being trained on (num_iterations > 1) and trainer_state.json (last), written atomically."""
+    still being trained on (num_iterations > 1), the online drafter (drafter/, drafter_state.pt)
+    and trainer_state.json (last), written atomically."""
     from reclaim.models.loading import atomic_dir, save_model
 
     def write(tmp: Path) -> None:
@@ -494,6 +613,8 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng_state.pt")
         if batch is not None:
             torch.save(dataclasses.asdict(batch), tmp / "rollout.pt")
+        if online is not None:
+            online.save(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
     return atomic_dir(out / f"{CHECKPOINT_PREFIX}{step}", write)
@@ -501,15 +622,15 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any
 
 # ---- the trainer -------------------------------------------------------------------------------
 
-def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig) -> dict[str, float]:
-    """gradient_accumulation_steps micro-batches of the rollout, backward each (no optimizer step)."""
-    b = cfg.per_device_train_batch_size
+def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, world: World) -> dict[str, float]:
+    """This rank's micro-batches of the rollout, backward each, then the gradients summed over
+    ranks (no optimizer step). Each micro-batch's loss is normalised to the whole step (all
+    ranks' gradient_accumulation_steps * world.size micro-batches), so the sum is the step's."""
     num_items = float(batch.mask.sum())
     totals: dict[str, float] = {}
     loss_sum = entropy_sum = 0.0
     device = next(model.parameters()).device
-    for k in range(cfg.gradient_accumulation_steps):
-        idx = batch.order[k * b:(k + 1) * b]
+    for idx in _micro_batches(batch, cfg, world):
         comps = [batch.completion_ids[i] for i in idx]
         c = max(len(x) for x in comps)
         logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature, entropy=True)
@@ -520,12 +641,17 @@ def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig
                                old_logps=pick(batch.old_logps), ref_logps=pick(batch.ref_logps),
                                use_bias_correction_kl=cfg.use_bias_correction_kl,
                                max_completion_length=cfg.max_completion_length, num_items_in_batch=num_items,
-                               gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+                               gradient_accumulation_steps=cfg.gradient_accumulation_steps * world.size)
         loss.backward()
         loss_sum += loss.item()
         entropy_sum += float((ent * mask).sum())
         for key, v in sums.items():
             totals[key] = totals.get(key, 0.0) + float(v)
+    world.sum_grads(model.parameters())
+    keys = sorted(totals)
+    summed = world.sum_(torch.tensor([loss_sum, entropy_sum, *(totals[k] for k in keys)], dtype=torch.float64))
+    loss_sum, entropy_sum = summed[0].item(), summed[1].item()
+    totals = dict(zip(keys, summed[2:].tolist()))
     tokens = max(totals.pop("tokens"), 1.0)
     out = {"loss": loss_sum, "entropy": entropy_sum / tokens}
     for key in ("clip_low", "clip_high", "clip_region"):
@@ -536,22 +662,61 @@ def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig
 
 
 def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run `reclaim grpo` per cfg; returns a summary (steps, the last logged record, seconds)."""
+    """Run `reclaim grpo` per cfg; returns a summary (steps, the last logged record, seconds).
+
+    Under torchrun every rank calls this: each rolls out its share of every step on its own
+    engine, the policy trains data parallel (see distributed.py), rank 0 logs and checkpoints."""
+    world = World.start(cfg.device)
+    try:
+        return _train(cfg, world, progress, log)
+    finally:
+        world.close()
+
+
+def _open_engine(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, max_len: int,
+                 last: Path | None) -> tuple[Any, OnlineDrafter | None]:
+    """The rollout engine on a copy of the policy; with drafter_online, its EAGLE drafter is the
+    online one (the checkpoint's on resume; the frozen copy is always the configured drafter)."""
+    from reclaim.engine.engine import Engine
+
+    served = copy.deepcopy(model)
+    online = None
+    if cfg.drafter_online:
+        from reclaim.models.drafter import load_drafter
+
+        online = OnlineDrafter(load_drafter(drafter_path(cfg), served), buffer_tokens=cfg.drafter_buffer_tokens,
+                               lr=cfg.drafter_learning_rate, max_steps=cfg.drafter_max_steps_per_rollout,
+                               seed=cfg.seed, eval_samples=cfg.drafter_eval_samples,
+                               eval_depth=max(cfg.spec_depths))
+        if last is not None and (last / "drafter").exists():
+            online.load(last, served)
+    engine = Engine(served, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len, seed=cfg.seed,
+                    drafter=online.proposer(served) if online is not None else None)
+    return engine, online
+
+
+def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], None]) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from reclaim.engine.engine import Engine
     from reclaim.models.loading import load_model
     from reclaim.models.tokenizer import encode_chat
 
     t_start = time.perf_counter()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    if (cfg.generation_batch_size * world.size) % cfg.num_generations:
+        raise ValueError(f"per_device_train_batch_size * gradient_accumulation_steps * world size = "
+                         f"{cfg.generation_batch_size * world.size} completions per step must be a multiple of "
+                         f"num_generations={cfg.num_generations}")
+    main = world.is_main
     out = Path(cfg.output_dir)
     rows = build_dataset(cfg)
     reward_funcs = [load_reward(spec) for spec in cfg.reward_funcs]
     reward_names = [getattr(f, "__name__", spec) if ":" in spec or "." in spec else spec
                     for f, spec in zip(reward_funcs, cfg.reward_funcs)]
-    out.mkdir(parents=True, exist_ok=True)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    world.barrier()
     last = None
     if cfg.resume_from_checkpoint:
         found = checkpoints(out)
@@ -559,12 +724,13 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
             raise ValueError(f"resume_from_checkpoint is set but {str(out)!r} has no {CHECKPOINT_PREFIX}* directory")
         last = found[-1]
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(last or cfg.model, dtype=cfg.dtype, device=cfg.device)
+    dtype = None if cfg.dtype == "auto" else cfg.dtype
+    model, tokenizer = load_model(last or cfg.model, dtype=dtype, device=cfg.device)
     if tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer files; prompts need its chat template")
     ref = None
     if cfg.beta > 0:  # the starting model, also on resume
-        ref = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)[0] if last else copy.deepcopy(model)
+        ref = load_model(cfg.model, dtype=dtype, device=cfg.device)[0] if last else copy.deepcopy(model)
         ref.requires_grad_(False)
     prompts = [encode_chat(tokenizer, r["prompt"]) for r in rows]
     if cfg.max_prompt_length is not None:
@@ -574,10 +740,9 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     if max(len(p) for p in prompts) >= max_len:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room to generate within the "
                          f"model's {limit} positions; lower max_prompt_length")
-    engine = Engine(copy.deepcopy(model), tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len,
-                    seed=cfg.seed)
+    engine, online = _open_engine(cfg, model, tokenizer, max_len, last)
     eos = set(engine.eos_token_ids)
-    decisions = out / "spec_decisions.jsonl"
+    decisions = out / ("spec_decisions.jsonl" if main else f"spec_decisions-rank{world.rank}.jsonl")
 
     def log_decision(d: dict[str, Any]) -> None:
         with open(decisions, "a") as f:
@@ -600,17 +765,20 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
         random.setstate(rng["python"])
         if (last / "rollout.pt").exists():
             batch = RolloutBatch(**torch.load(last / "rollout.pt", weights_only=False))
-        trim_log(log_path, step)
-        trim_log(completions_log, step)
+        if main:
+            trim_log(log_path, step)
+            trim_log(completions_log, step)
     else:  # a fresh run starts fresh logs
-        log_path.unlink(missing_ok=True)
-        completions_log.unlink(missing_ok=True)
-        (out / "spec_decisions.jsonl").unlink(missing_ok=True)
+        decisions.unlink(missing_ok=True)
+        if main:
+            log_path.unlink(missing_ok=True)
+            completions_log.unlink(missing_ok=True)
     config_dict = dataclasses.asdict(cfg)
-    (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    if main:
+        (out / "train_config.json").write_text(json.dumps({**config_dict, "world_size": world.size}, indent=2) + "\n")
 
-    per_step = cfg.generation_batch_size // cfg.num_generations
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="grpo")
+    per_step = cfg.generation_batch_size * world.size // cfg.num_generations
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and main), desc="grpo")
     model.train()
     while step < cfg.max_steps:
         t0 = time.perf_counter()
@@ -619,17 +787,17 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
             idx = prompt_rows(len(rows), per_step, step // cfg.num_iterations, cfg.seed)
             batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg,
                             reward_funcs, reward_names, eos, completions_log if cfg.log_completions else None,
-                            runner)
+                            runner, world, online)
             if cfg.num_iterations > 1:
-                batch.old_logps = _chunked_logps(model, batch, cfg.per_device_train_batch_size, cfg.temperature)
+                batch.old_logps = _chunked_logps(model, batch, cfg, world)
             if ref is not None:
-                batch.ref_logps = _chunked_logps(ref, batch, cfg.per_device_train_batch_size, cfg.temperature)
+                batch.ref_logps = _chunked_logps(ref, batch, cfg, world)
             rec.update(batch.metrics)
         else:  # another iteration on the same rollout: its reward metrics, no rollout time
-            rec.update({k: v for k, v in batch.metrics.items() if not k.startswith("rollout")})
+            rec.update({k: v for k, v in batch.metrics.items() if not k.startswith(("rollout", "drafter/"))})
         opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter()
-        rec.update(_optimizer_step(model, batch, cfg))
+        rec.update(_optimizer_step(model, batch, cfg, world))
         rec["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         rec["learning_rate"] = opt.param_groups[0]["lr"]
         opt.step()
@@ -637,7 +805,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
         opt.zero_grad(set_to_none=True)
         rec["weights_version"] = engine.update_weights(model.state_dict())
         rec["train_s"] = time.perf_counter() - t_train
-        rec["step_time"] = time.perf_counter() - t0
+        # The drafter's tau replay is a measurement, not part of the step.
+        rec["step_time"] = time.perf_counter() - t0 - rec.get("drafter/eval_s", 0.0)
         step += 1
         window.append(rec)
         bar.update(1)
@@ -647,16 +816,19 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
             entry = {"step": step, **{k: sum(r[k] for r in window if k in r) / sum(k in r for r in window)
                                       for k in keys}}
             history.append(entry)
-            with open(log_path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+            if main:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
             window = []
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps:
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
-                     "log_window": window, "config": config_dict}
+                     "log_window": window, "config": config_dict, "world_size": world.size}
             pending = batch if step % cfg.num_iterations else None
-            save_checkpoint(out, step, model, tokenizer, opt, sched, state, pending)
-            if cfg.save_total_limit:
-                for old in checkpoints(out)[:-cfg.save_total_limit]:
-                    shutil.rmtree(old, ignore_errors=True)
+            if main:
+                save_checkpoint(out, step, model, tokenizer, opt, sched, state, pending, online)
+                if cfg.save_total_limit:
+                    for old in checkpoints(out)[:-cfg.save_total_limit]:
+                        shutil.rmtree(old, ignore_errors=True)
+            world.barrier()  # every rank sees the checkpoint once any goes on
     bar.close()
     return {"steps": step, "last": history[-1] if history else None, "total_s": time.perf_counter() - t_start}

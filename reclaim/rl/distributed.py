@@ -1,0 +1,153 @@
+"""GRPO's process group: N rollout workers that train the policy data parallel (torchrun).
+
+`World.start` reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK and starts a gloo (CPU) or NCCL
+(CUDA) group; without torchrun it is rank 0 of 1 and every collective is the identity, so one
+process is the N = 1 case of the same code. The policy is replicated: each rank holds the whole
+model and optimizer, gradients are summed with one all-reduce per optimizer step (DDP's
+arithmetic, done by hand because GRPO accumulates several micro-batches between reductions and
+the losses are already normalised to the global batch), and every rank then takes the same
+optimizer step, so the replicas never drift and any rank's state is the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class World:
+    """This process's place among the rollout workers (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    started: bool = False  # the group was started here (and is destroyed by close)
+
+    @classmethod
+    def start(cls, device: str | torch.device = "cpu") -> "World":
+        """Join torchrun's group (gloo on the CPU, nccl on CUDA); rank 0 of 1 without torchrun."""
+        env = os.environ
+        world = cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        if world.size == 1:
+            return world
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
+            world.started = True
+        return world
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        if self.started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.started = False
+
+    def share(self, n: int) -> range:
+        """This rank's contiguous share of n items (rank order is item order; shares differ by <= 1)."""
+        return range(self.rank * n // self.size, (self.rank + 1) * n // self.size)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (pickled)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        """Rank src's `obj` on every rank (pickled)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def broadcast_tensors(self, tensors: Iterable[torch.Tensor], src: int) -> None:
+        """Overwrite each tensor (same shapes on every rank) with rank src's, in place."""
+        if self.size == 1:
+            return
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t.data, src=src)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce t in place (sum over ranks); returns it."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
+
+    def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum the parameters' gradients over ranks: one flat all-reduce (a missing grad counts as 0)."""
+        if self.size == 1:
+            return
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = self.sum_(torch.cat([p.grad.reshape(-1) for p in params]))
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+    def signal_done(self) -> "DoneSignal":
+        """Say this rank is done (non-blocking); the signal completes once every rank has said so."""
+        return DoneSignal(self)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+class DoneSignal:
+    """A non-blocking all-reduce every rank posts when it finishes its rollout share: a rank
+    that finished early polls `all_done()` between drafter steps, which turns true when the
+    slowest rank has posted too. One process: done at once."""
+
+    def __init__(self, world: World) -> None:
+        self._work, self._first = None, True
+        if world.size > 1:
+            import torch.distributed as dist
+
+            self._flag = torch.zeros(1)
+            self._work = dist.all_reduce(self._flag, async_op=True)
+
+    def all_done(self, grace_s: float = 0.05) -> bool:
+        """Whether every rank is done. The first call waits up to grace_s for the answer, so the
+        slowest rank (whose post completes the signal) does not start a drafter step while its
+        own post is still on the wire; an early rank spends that wait idle anyway."""
+        if self._work is None:
+            return True
+        end = time.perf_counter() + (grace_s if self._first else 0.0)
+        self._first = False
+        while not self._work.is_completed():
+            if time.perf_counter() >= end:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()

@@ -1,0 +1,186 @@
+"""GRPO under torchrun (2 gloo ranks) equals one process taking the same steps (float64).
+
+Each rank rolls out half of every step's prompts on its own engine with the seeds of their
+places in the whole rollout, and trains on half of the micro-batches; one process accumulating
+all of them (gradient_accumulation_steps doubled) must give the same completions, rewards,
+losses and weights. The plain run is cut after its step-2 checkpoint and resumed by the two
+ranks; the drafter_online run (EAGLE speculation in the tail, the drafter trained on the ranks
+that finish early) must leave the policy exactly as plain rollouts do: the drafter may differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from reclaim.config import load_config
+from reclaim.rl.grpo import GRPOConfig, train
+
+EVEN = "def even(prompts, completions, completion_ids, **kw):\n" \
+       "    return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]\n"
+COMPARED = ("loss", "reward", "reward_std", "rewards/even/mean", "completions/mean_length", "grad_norm",
+            "entropy")
+
+
+def fields(root: Path, name: str, world: int, **kw) -> dict:
+    """grpo-tiny on the float64 model: 3 steps of 8 completions (4 prompts x 2), 4 per micro-batch."""
+    return {"model": str(root / "tiny"), "dtype": "auto", "output_dir": str(root / name), "max_steps": 3,
+            "reward_funcs": [f"{root / 'even.py'}:even"], "max_completion_length": 12, "log_completions": True,
+            "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2 // world, "save_steps": 1, **kw}
+
+
+ONLINE = {"speculative": "eagle:{root}/drafter", "spec_threshold": 64, "spec_depths": [2, 3],
+          "drafter_online": True, "drafter_max_steps_per_rollout": 4, "drafter_eval_samples": 2}
+
+
+def online(root: Path) -> dict:
+    return {k: v.format(root=root) if isinstance(v, str) else v for k, v in ONLINE.items()}
+
+
+def _worker(root: Path) -> None:
+    """One torchrun rank: the plain run to the end, then again from its step-2 checkpoint; the
+    online-drafter run."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    cfg = load_config(GRPOConfig, "grpo-tiny", fields(root, "plain", 2))
+    train(cfg, progress=False)
+    if dist.get_rank() == 0:
+        shutil.copy(root / "plain" / "log.jsonl", root / "plain-uninterrupted.jsonl")
+        shutil.rmtree(root / "plain" / "checkpoint-3")
+    dist.barrier()
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, "plain", 2), "resume_from_checkpoint": True}),
+          progress=False)
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, "online", 2), **online(root)}), progress=False)
+    _idle_drafter(root, dist.get_rank())
+    dist.destroy_process_group()
+
+
+def _idle_drafter(root: Path, rank: int) -> None:
+    """Rank 1 is slow (it finishes its share a second late): rank 0 trains the drafter meanwhile,
+    stops when rank 1 is done, and both then hold rank 0's drafter and the samples of both."""
+    from reclaim.models.drafter import load_drafter
+    from reclaim.models.loading import load_model
+    from reclaim.rl.distributed import World
+    from reclaim.rl.drafter_trainer import OnlineDrafter, collect
+
+    world = World(rank, 2)
+    target = load_model(root / "tiny", dtype=None)[0].requires_grad_(False)
+    online = OnlineDrafter(load_drafter(root / "drafter", target), buffer_tokens=100_000, lr=3e-3,
+                           max_steps=10_000, seed=0, eval_samples=0)
+    g = torch.Generator().manual_seed(rank)
+    samples = collect(target, *[[torch.randint(3, 200, (n,), generator=g).tolist() for _ in range(4)]
+                                for n in (5, 12)])
+    if rank == 1:
+        time.sleep(1.0)
+    t = time.perf_counter()
+    signal = world.signal_done()
+    records = online.train(samples, target, stop=signal.all_done)
+    signal.wait()
+    waited = time.perf_counter() - t
+    got = world.gather((samples, len(records)))
+    src = online.sync(world, [s for s, _ in got], [n for _, n in got])
+    torch.save({"steps": len(records), "src": src, "total": online.steps, "waited": waited,
+                "buffer": online.buffer.num_tokens, "loss": [r["loss"] for r in records],
+                "drafter": online.drafter.state_dict()}, root / f"idle-rank{rank}.pt")
+
+
+def _log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "checkpoint-3" / "model.safetensors")
+
+
+def _same_run(a: Path, b: Path, log_b: Path | None = None) -> None:
+    ra, rb = _log(a / "log.jsonl"), _log(log_b or b / "log.jsonl")
+    assert [r["step"] for r in rb] == [1, 2, 3]
+    for x, y in zip(ra, rb, strict=True):
+        for k in COMPARED:
+            assert x[k] == pytest.approx(y[k], rel=1e-9, abs=1e-12), (k, x[k], y[k])
+    wa, wb = _weights(a), _weights(b)
+    assert set(wa) == set(wb)
+    for k in wa:
+        assert wa[k].dtype == torch.float64
+        assert (wa[k] - wb[k]).abs().max() <= 1e-9 * wa[k].abs().max(), k
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The tiny float64 model, an untrained drafter for it, and the two-rank runs."""
+    from conftest import make_tokenizer, tiny_target
+
+    from reclaim.models.drafter import new_drafter, save_drafter
+    from reclaim.models.loading import save_model
+
+    root = tmp_path_factory.mktemp("grpo-dist")
+    tok = make_tokenizer()
+    model = tiny_target(len(tok)).double()
+    save_model(model, tok, root / "tiny")
+    torch.manual_seed(1)
+    save_drafter(new_drafter(model), root / "drafter")
+    (root / "even.py").write_text(EVEN)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           __file__, str(root)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root
+
+
+def test_two_ranks_equal_one_process_and_resume_reproduces(runs, one_thread) -> None:
+    train(load_config(GRPOConfig, "grpo-tiny", fields(runs, "one", 1)), progress=False)
+    one, two = runs / "one", runs / "plain"
+    _same_run(one, two)
+    _same_run(one, two, runs / "plain-uninterrupted.jsonl")
+    assert (one / "completions.jsonl").read_text() == (two / "completions.jsonl").read_text()
+    assert _log(one / "log.jsonl")[0]["grad_norm"] > 0  # it trains
+    state = json.loads((two / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["global_step"] == 3
+
+
+def test_two_ranks_with_the_online_drafter_train_the_same_policy(runs, one_thread) -> None:
+    """Speculation with a drafter trained on idle ranks changes the rollout's speed, not its
+    tokens: the policy equals one process with plain rollouts. Each step logs the drafter's
+    training and its replayed tau against the frozen starting drafter."""
+    if not (runs / "one" / "checkpoint-3").exists():
+        train(load_config(GRPOConfig, "grpo-tiny", fields(runs, "one", 1)), progress=False)
+    _same_run(runs / "one", runs / "online")
+    assert (runs / "one" / "completions.jsonl").read_text() == (runs / "online" / "completions.jsonl").read_text()
+    recs = _log(runs / "online" / "log.jsonl")
+    assert all(r["rollout_spec_decisions"] > 0 for r in recs)
+    assert [r["drafter/total_steps"] for r in recs] == sorted(r["drafter/total_steps"] for r in recs)
+    for r in recs:
+        assert r["drafter/steps"] <= ONLINE["drafter_max_steps_per_rollout"] and r["drafter/tau_frozen"] >= 1
+        assert r["drafter/tau_online"] >= 1 and r["drafter/buffer_tokens"] > 0
+    ck = runs / "online" / "checkpoint-3"
+    assert (ck / "drafter" / "model.safetensors").exists() and (ck / "drafter_state.pt").exists()
+
+
+def test_an_idle_rank_trains_the_drafter_until_the_slowest_is_done(runs) -> None:
+    fast, slow = (torch.load(runs / f"idle-rank{r}.pt") for r in (0, 1))
+    assert slow["steps"] == 0 and 1 <= fast["steps"] < 10_000  # stopped by the signal, not the budget
+    assert fast["waited"] >= 0.9 and slow["waited"] < 0.5  # trained through rank 1's second, no longer
+    assert fast["src"] == slow["src"] == 0 and fast["total"] == slow["total"] == fast["steps"]
+    assert fast["buffer"] == slow["buffer"] > 0  # each added the other's samples
+    for k, v in fast["drafter"].items():
+        assert torch.equal(v, slow["drafter"][k]), k  # rank 1 drafts with rank 0's drafter next
+    n = min(5, fast["steps"] // 2)
+    if n:
+        assert sum(fast["loss"][-n:]) < sum(fast["loss"][:n])
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
