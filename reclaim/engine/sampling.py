@@ -80,17 +80,21 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[in
 
 
 def filter_sorted(
-    sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mask (-inf) the filtered entries of logits sorted descending, [B, V]; returns new logits.
+    """Mask (-inf) the filtered entries of logits sorted descending, [B, K]; returns new logits.
 
     top_k [B] (<= 0: off), top_p [B] (1: off), min_p [B] (0: off). The most likely token always stays.
+    lse [B, 1]: the log-normaliser of each row's probabilities when the K columns are only its
+    most likely tokens (default: the columns' own).
     """
     v = sorted_logits.shape[-1]
     rank = torch.arange(v, device=sorted_logits.device)
     k = torch.where(top_k > 0, top_k.clamp(max=v), v)
     x = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = x.softmax(-1)
+    # top-k rows keep only columns, so their own softmax; others are relative to the whole row.
+    probs = x.softmax(-1) if lse is None else torch.where((top_k > 0)[:, None], x.softmax(-1), (x - lse).exp())
     # Drop a token when the mass before it already reaches top_p (so the first always stays).
     drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
     drop |= probs < min_p[:, None] * probs[:, :1]
@@ -108,23 +112,62 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last)
 
 
-def sorted_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Processed probabilities of sampled (non-greedy) rows in descending-logit order, float64
-    [B, V], and that order [B, V] (vocabulary ids)."""
+def _needs_sorting(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+
+
+def _candidates(x: torch.Tensor, p: SamplingParams) -> int:
+    """How many of a row's most likely tokens its filters can keep at most (x: its logits after
+    temperature, [V]): top-k's k, else what top-p's mass or min-p's threshold reaches, else V."""
+    v = x.shape[-1]
+    if p.top_k > 0:
+        return min(p.top_k, v)
+    k = v
+    if p.min_p > 0:  # tokens with prob >= min_p * p_max, i.e. logit >= max + log(min_p)
+        k = int((x >= x.max() + torch.log(torch.tensor(p.min_p, dtype=x.dtype))).sum())
+    if p.top_p < 1:  # the smallest power-of-4 multiple of 64 whose mass reaches top_p
+        lse, k_p = x.logsumexp(-1), 64
+        while k_p < v // 4:
+            if float((x.topk(k_p).values - lse).exp().sum()) >= p.top_p:
+                return min(k, k_p)
+            k_p *= 4
+    return k
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]
+                   ) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+    """The distributions of sampled (non-greedy) rows after temperature, top-k, top-p and min-p,
+    as groups (rows, probs float64 [R, K], ids [R, K]): with a filter, each row's K most likely
+    tokens in descending order, K covering everything its filters keep; without one, the whole
+    vocabulary in its own order (ids None), so the common case sorts nothing. A row's group
+    depends on its own logits and params only, so its draw does not depend on its batch."""
     dev = logits.device
     x = sanitize(logits)
     x = x - x.max(-1, keepdim=True).values
     temp = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)
     x = x / temp[:, None]
-    # Sorted order, so a row's draw depends only on its own logits and uniform.
-    x, order = x.sort(dim=-1, descending=True, stable=True)
-    x = filter_sorted(
-        x,
-        torch.tensor([p.top_k for p in params], device=dev, dtype=torch.int64),
-        torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype),
-        torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype),
-    )
-    return x.double().softmax(-1), order
+    v = x.shape[-1]
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(_candidates(x[i], p) if _needs_sorting(p) else -1, []).append(i)
+    out = []
+    for k, rows in groups.items():
+        xs, ps = x[rows], [params[i] for i in rows]
+        if k < 0:
+            out.append((rows, xs.double().softmax(-1), None))
+            continue
+        # The candidates' probabilities are relative to the whole row (top-k's kept set is all there).
+        lse = xs.logsumexp(-1, keepdim=True)
+        xs, ids = xs.topk(k, dim=-1) if k < v else xs.sort(dim=-1, descending=True, stable=True)
+        xs = filter_sorted(
+            xs,
+            torch.tensor([p.top_k for p in ps], device=dev, dtype=torch.int64),
+            torch.tensor([p.top_p for p in ps], device=dev, dtype=xs.dtype),
+            torch.tensor([p.min_p for p in ps], device=dev, dtype=xs.dtype),
+            lse=lse,
+        )
+        out.append((rows, xs.double().softmax(-1), ids))
+    return out
 
 
 def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -137,8 +180,9 @@ def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         out[greedy, top] = 1.0
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        sp, order = sorted_probs(logits[rows], [params[i] for i in rows])
-        out[rows] = torch.zeros_like(sp).scatter_(1, order, sp)
+        for group, sp, ids in filtered_probs(logits[rows], [params[i] for i in rows]):
+            where = [rows[j] for j in group]
+            out[where] = sp if ids is None else torch.zeros_like(out[where]).scatter_(1, ids, sp)
     return out
 
 
@@ -177,9 +221,11 @@ def sample(
     tokens = sanitize(logits).argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        sp, order = sorted_probs(logits[rows], [params[i] for i in rows])
-        picked = draw(sp, uniforms(rows, generators, fallback, logits.device))
-        tokens[rows] = order.gather(1, picked[:, None]).squeeze(1)
+        groups = filtered_probs(logits[rows], [params[i] for i in rows])
+        us = uniforms(rows, generators, fallback, logits.device)  # after what can fail: none drawn then
+        for group, sp, ids in groups:
+            picked = draw(sp, us[group])
+            tokens[[rows[j] for j in group]] = picked if ids is None else ids.gather(1, picked[:, None]).squeeze(1)
     return tokens.tolist()
 
 

@@ -102,3 +102,35 @@ def test_one_failing_row_fails_alone():
     alone = [sample(x[i:i + 1], [good], [make_generator(11)])[0] for i in (0, 2)]
     out = sample_each(x, [good, bad, good], [make_generator(11), None, make_generator(11)])
     assert isinstance(out[1], Exception) and [out[0], out[2]] == alone
+
+
+def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filters on the whole sorted vocabulary, step by step (what `probs` may shortcut)."""
+    x = logits.double() / p.temperature
+    order = x.argsort(descending=True)
+    xs = x[order]
+    if p.top_k > 0:
+        xs[p.top_k:] = float("-inf")
+    q = xs.softmax(-1)
+    keep = (q.cumsum(-1) - q) < p.top_p
+    keep &= q >= p.min_p * q[0]
+    keep[0] = True
+    q = torch.where(keep, q, 0.0)
+    return torch.zeros_like(q).scatter_(0, order, q / q.sum())
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_p": 0.9}, {"top_p": 0.3}, {"top_k": 5}, {"top_k": 50, "top_p": 0.8},
+                                {"min_p": 0.05}, {"min_p": 0.2, "top_p": 0.95}, {"top_p": 0.999}])
+def test_filtered_probs_equal_filtering_the_whole_sorted_vocabulary(kw):
+    """The sampler sorts only the candidates a filter can keep (or nothing, without a filter);
+    the distribution is that of filtering the whole sorted vocabulary, row by row in any batch."""
+    from reclaim.engine.sampling import probs
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5000, generator=g) * torch.tensor([1.0, 3.0, 6.0, 0.3])[:, None]
+    params = [SamplingParams(temperature=0.7, **kw), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0.7, **kw), SamplingParams(temperature=1.3, **kw)]
+    got = probs(x, params)
+    for i, p in enumerate(params):
+        assert torch.allclose(got[i], _reference_probs(x[i], p), atol=1e-9), (i, kw)
+        assert torch.allclose(probs(x[i:i + 1], [p])[0], got[i], atol=1e-12)
