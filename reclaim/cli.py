@@ -253,7 +253,7 @@ def serve(
     enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage",
                                                     help="Usage in every stream's last chunk, asked for "
                                                          "(stream_options.include_usage) or not."),
-    disable_access_log: bool = typer.Option(False, "--disable-access-log",
+    disable_access_log: bool = typer.Option(False, "--disable-access-log", "--no-access-log",
                                             help="No access log (one line per request: client, method, "
                                                  "path, status, milliseconds, response id)."),
     speculative: str = SPEC_OPT,

@@ -43,13 +43,17 @@ REFUSED: dict[str, tuple] = {
     "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": ({},),
     "prompt_embeds": (), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "image": (), "images": ([],), "moderation": (),
+    "cache_salt": (), "max_repetition_pattern_size": (0,), "min_repetition_pattern_size": (0,),
+    "repetition_min_count": (0,),
 }
 # Accepted and without effect on what is generated or returned, as in OpenAI's API without
 # stored completions: labels for the caller's own bookkeeping and prompt-cache hints (this
 # server's prefix cache needs none).
 INFORMATIONAL = ("user", "metadata", "safety_identifier", "prompt_cache_key",
                  "prompt_cache_retention", "prompt_cache_options")
-REFUSED_CHAT_ONLY = {"echo": (False,)}  # vLLM's chat echo (repeat the last message): not here
+# vLLM's chat echo (repeat the last message), its reasoning parser's switch, and BOS on top of
+# the template: not here (completions implements add_special_tokens).
+REFUSED_CHAT_ONLY = {"echo": (False,), "include_reasoning": (True,), "add_special_tokens": (False,)}
 
 
 class FieldError(ValueError):

@@ -1,6 +1,7 @@
 """Every field of OpenAI's chat and completions requests (read from the openai SDK's own types)
-and of vLLM's extras is implemented (a request using it is served; the tests named beside it
-check its effect), informational, or refused with a 400 naming it: none is accepted and ignored."""
+and of vLLM's extras (listed from its protocol) is implemented (a request using it is served;
+the tests named beside it check its effect), informational, or refused with a 400 naming it:
+none is accepted and ignored."""
 
 from __future__ import annotations
 
@@ -78,7 +79,29 @@ SAMPLES = {"modalities": ["audio"], "function_call": "auto", "functions": [{"nam
            "length_penalty": 2.0, "priority": 1,
            "return_tokens_as_token_ids": True, "return_token_ids": True,
            "skip_special_tokens": False, "spaces_between_special_tokens": False,
-           "logits_processors": ["x"], "documents": [{"title": "x"}], "echo": True}
+           "logits_processors": ["x"], "documents": [{"title": "x"}], "echo": True,
+           "include_reasoning": False, "add_special_tokens": True, "cache_salt": "salt",
+           "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2,
+           "repetition_min_count": 3}
+
+
+# vLLM's request fields beyond OpenAI's (ChatCompletionRequest and CompletionRequest in
+# vllm/entrypoints/openai/{chat_completion,completion}/protocol.py at d5dba2d, plus the top-level
+# guided_* keys of earlier releases).
+VLLM_SHARED = {
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids",
+    "prompt_logprobs", "response_format", "structured_outputs", "priority", "request_id",
+    "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "max_repetition_pattern_size", "min_repetition_pattern_size",
+    "repetition_min_count", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern"}
+VLLM_CHAT = VLLM_SHARED | {
+    "bad_words", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
+    "include_reasoning", "reasoning_effort"}
+VLLM_COMPLETION = VLLM_SHARED | {"prompt_embeds", "add_special_tokens", "echo"}
 
 
 def openai_fields(params) -> set[str]:
@@ -92,6 +115,14 @@ def test_every_openai_field_is_implemented_informational_or_refused(route, param
     refused = {**REFUSED, **(REFUSED_CHAT_ONLY if route == CHAT else {})}
     unknown = openai_fields(params) - set(implemented) - set(INFORMATIONAL) - set(refused)
     assert not unknown, f"OpenAI fields with no decision: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("route,fields,implemented", [
+    (CHAT, VLLM_CHAT, {**SHARED, **CHAT_ONLY}), (COMPLETIONS, VLLM_COMPLETION, {**SHARED, **COMPLETION_ONLY})])
+def test_every_vllm_extra_is_implemented_or_refused(route, fields, implemented):
+    refused = {**REFUSED, **(REFUSED_CHAT_ONLY if route == CHAT else {})}
+    unknown = fields - set(implemented) - set(INFORMATIONAL) - set(refused)
+    assert not unknown, f"vLLM fields with no decision: {sorted(unknown)}"
 
 
 @pytest.mark.parametrize("route,implemented", [(CHAT, {**SHARED, **CHAT_ONLY}),

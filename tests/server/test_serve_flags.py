@@ -56,6 +56,7 @@ def test_flags_reach_the_server(captured):
     assert kw["split_special_tokens"] is True
     kw = captured("--enable-force-include-usage", "--disable-access-log")
     assert kw["force_include_usage"] is True and kw["access_log"] is False
+    assert captured("--no-access-log")["access_log"] is False  # the name for it
 
 
 def test_api_key_from_environment(captured):
