@@ -52,7 +52,9 @@ import torch.nn.functional as F
 from reclaim.data.tasks import PROMPT_SOURCES
 from reclaim.engine.eagle import EagleProposer
 from reclaim.models.cache import DenseCache
-from reclaim.models.drafter import EagleDrafter, load_drafter, most_frequent, new_drafter, save_drafter
+from reclaim.models.drafter import (
+    EagleDrafter, draft_head, load_drafter, most_frequent, new_drafter, save_drafter,
+)
 from reclaim.paths import cache_root
 from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
@@ -362,9 +364,11 @@ def greedy_acceptance(drafter: EagleDrafter, target: torch.nn.Module, samples: I
     """Replay greedy chain speculation over samples whose responses are the target's greedy
     output: at each verify the drafter proposes k tokens from the true states so far (feeding
     its own predictions after the first), the leading ones equal to the response are accepted,
-    plus the target's bonus token. Returns verifies, accepted and tau = tokens per verify."""
+    plus the target's bonus token. Drafts come from the drafter's draft vocabulary when it has
+    one, as the engine's. Returns verifies, accepted and tau = tokens per verify."""
     k = num_speculative_tokens
-    embed, head = target.model.embed_tokens, target.lm_head
+    embed = target.model.embed_tokens
+    rows, vocab = draft_head(drafter, target)
     p = next(drafter.parameters())
     was_training = drafter.training
     drafter.eval()
@@ -384,7 +388,8 @@ def greedy_acceptance(drafter: EagleDrafter, target: torch.nn.Module, samples: I
             fed = n
             draft, m = [], min(k, t - 1 - n)
             for j in range(m):
-                tok = head(g).argmax()
+                tok = F.linear(g, rows).argmax()
+                tok = tok if vocab is None else vocab[tok]
                 draft.append(int(tok))
                 if j + 1 < m:
                     g = feed(tok[None], g[None], n + j)

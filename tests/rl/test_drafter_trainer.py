@@ -223,13 +223,19 @@ def _rollout_samples(target, prompts, max_tokens: int):
     return rec.samples([(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs]), [o.token_ids for o in outs]
 
 
-def test_the_replayed_tau_is_what_the_engine_gets(target, tmp_path, one_thread):
+@pytest.mark.parametrize("draft_vocab", [None, 8])
+def test_the_replayed_tau_is_what_the_engine_gets(target, tmp_path, one_thread, draft_vocab):
+    """Also over a draft vocabulary (the engine's proposer scores only those head rows)."""
     prompts, _ = rollouts(target, 6, response_len=0)
     samples, plain = _rollout_samples(target, prompts, 12)
     buf = DrafterBuffer(10_000)
     buf.add(samples)
     drafter = new_drafter(target)
     train_drafter(drafter, target, buf, steps=30, lr=3e-3, batch_size=4)
+    if draft_vocab:
+        from reclaim.models.drafter import most_frequent
+
+        drafter.draft_ids = most_frequent([s.token_ids.tolist() for s in samples], draft_vocab, 64)
     replay = greedy_acceptance(drafter, target, samples, 4)
     outs, tau = _engine_tau(target, drafter, prompts, 12, tmp_path)
     assert outs == plain

@@ -4,8 +4,9 @@ Each rank rolls out half of every step's prompts on its own engine with the seed
 places in the whole rollout, and trains on half of the micro-batches; one process accumulating
 all of them (gradient_accumulation_steps doubled) must give the same completions, rewards,
 losses and weights. The plain run is cut after its step-2 checkpoint and resumed by the two
-ranks; the drafter_online run (EAGLE speculation in the tail, the drafter trained on the ranks
-that finish early) must leave the policy exactly as plain rollouts do: the drafter may differ.
+ranks, and by one process; the drafter_online run (EAGLE speculation in the tail, the drafter
+trained on the ranks that finish early) must leave the policy exactly as plain rollouts do: the
+drafter may differ.
 """
 
 from __future__ import annotations
@@ -149,6 +150,13 @@ def test_two_ranks_equal_one_process_and_resume_reproduces(runs, one_thread) -> 
     assert _log(one / "log.jsonl")[0]["grad_norm"] > 0  # it trains
     state = json.loads((two / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["global_step"] == 3
+    # A two-rank checkpoint resumes in one process (it holds the whole state).
+    moved = runs / "plain-to-one"
+    shutil.copytree(two, moved)
+    shutil.rmtree(moved / "checkpoint-3")
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(runs, "plain-to-one", 1), "resume_from_checkpoint": True}),
+          progress=False)
+    _same_run(one, moved)
 
 
 def test_two_ranks_with_the_online_drafter_train_the_same_policy(runs, one_thread) -> None:
