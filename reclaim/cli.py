@@ -434,6 +434,41 @@ def bench_serve(
     typer.echo(f"wrote {out_dir}/serve.json and {out_dir}/serve.png")
 
 
+@bench_app.command("online")
+def bench_online(
+    model: str = typer.Argument(None, help="HF model directory; omitted: the bundled SmolLM2."),
+    mixes: str = typer.Option("256/256,1024/256,2048/512", help="Training mixes, prompt/response tokens, "
+                              "comma-separated."),
+    sharegpt: str = typer.Option(None, "--sharegpt", help="A ShareGPT JSON file for the conversations "
+                                 "(default: synthetic, ShareGPT-shaped lengths)."),
+    repeats: int = typer.Option(2, help="Timed runs per path and mix (medians)."),
+    memory_budget_gib: float = typer.Option(2.0, "--memory-budget-gib", help="Activation budget for "
+                                            "'trainable tokens under a memory budget'."),
+    requests: int = typer.Option(24, help="Requests in the serving stream."),
+    rate: float = typer.Option(0.5, help="Poisson arrival rate of the stream, requests/s."),
+    scale: float = typer.Option(0.15, help="Multiplies ShareGPT's median turn lengths in the stream."),
+    feedback_share: float = typer.Option(0.5, help="Share of served responses given feedback."),
+    max_ttft_slowdown: float = typer.Option(0.1, "--max-ttft-slowdown", help="Co-location's bound."),
+    quick: bool = typer.Option(False, "--quick", help="Mixes 64/64,128/64, 1 repeat, 8 requests: a smoke run."),
+    threads: int = typer.Option(2, help="torch threads."),
+    out_dir: str = typer.Option("benchmarks", help="Where online.json and online.png go."),
+) -> None:
+    """Online learning: training on feedback reusing the prefill vs recomputing it (tokens/s,
+    ceiling, memory, record bytes), and serving TTFT/TPOT with and without co-located training."""
+    from reclaim.bench.online import OnlineBenchSpec, main, parse_mixes
+
+    try:
+        spec = OnlineBenchSpec(model=model, mixes=parse_mixes("64/64,128/64" if quick else mixes),
+                               sharegpt=sharegpt, repeats=1 if quick else repeats,
+                               memory_budget_gib=memory_budget_gib, requests=8 if quick else requests,
+                               rate=rate, scale=scale, feedback_share=feedback_share,
+                               max_ttft_slowdown=max_ttft_slowdown, threads=threads, out_dir=out_dir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    main(spec)
+    typer.echo(f"wrote {out_dir}/online.json and {out_dir}/online.png")
+
+
 # ---- drafter: drafter train (owner: rl) ----
 
 drafter_app = typer.Typer(help="EAGLE drafters for speculative decoding.", no_args_is_help=True)

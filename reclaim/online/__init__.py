@@ -8,5 +8,9 @@
 - trainer.py: config, cost model, the per-sample reuse/recompute planner, the trainer, checkpoints.
 - lora.py: low-rank adapters for training with the base weights frozen.
 - learner.py: `OnlineLearner`, the one object the server holds.
-- bench.py: micro-benchmark of reuse against recompute.
+- colocate.py: training between the serving engine's steps (`serve --learn`).
+- demo.py: `demo_online`, the model learning a correction while it serves (reclaim demo).
+
+`reclaim bench online` (reclaim/bench/online.py) measures reuse against recompute and serving
+with and without co-located training.
 """

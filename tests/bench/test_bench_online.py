@@ -1,0 +1,50 @@
+"""`reclaim bench online` end to end on a tiny model: every training figure per mix (reuse, its
+ceiling, the planner, memory, record bytes), gradient errors against recompute, serving with and
+without co-located training, JSON with the run's metadata and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reclaim.bench.online import OnlineBenchSpec, main, parse_mixes
+
+
+def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
+    spec = OnlineBenchSpec(model=str(tiny_model_dir), mixes=[(24, 8), (48, 16)], repeats=1, threads=1,
+                           requests=6, rate=50.0, scale=0.05, train_batch=2, feedback_share=1.0,
+                           out_dir=str(tmp_path))
+    main(spec, log=lambda s: None)
+    result = json.loads((tmp_path / "online.json").read_text())
+    assert (tmp_path / "online.png").stat().st_size > 0
+    mixes = result["training"]["mixes"]
+    assert [(m["prompt"], m["response"]) for m in mixes] == [(24, 8), (48, 16)]
+    for m in mixes:
+        assert m["ceiling"] > 1 and m["speedup"] > 0 and m["recompute_tokens_per_s"] > 0
+        assert m["planner"]["action"] in ("reuse", "recompute")
+        assert m["planned_tokens_per_s"] in (m["reuse_tokens_per_s"], m["recompute_tokens_per_s"])
+        peaks = m["peak_train_bytes"]
+        assert all(v > result["training"]["grad_bytes"] for v in peaks.values()), peaks
+        assert 0 < m["selective_saved_bytes_per_prompt_token"] < m["autograd_saved_bytes_per_prompt_token"]
+        assert len(m["samples"]["reuse_s"]) == 1
+    first = mixes[0]
+    assert first["exact_reuse_rel_err"] < 1e-5 and first["selective_reuse_rel_err"] < 1e-5
+    assert first["prefix_grad_false_rel_err"] > 1e-5  # stopping at the prompt is not exact
+    serving = result["serving"]
+    for side in ("serve_only", "serve_and_learn"):
+        s = serving[side]
+        assert s["requests"] == 6 and s["ttft_s"]["p50"] > 0 and s["output_tokens"] == sum(serving["output_tokens"])
+    learned = serving["serve_and_learn"]["learning"]
+    assert learned["train_steps"] >= 1 and learned["record_puts"] == 6
+    assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["cpu_model"]
+
+
+def test_bad_mixes_and_values_are_refused():
+    assert parse_mixes("256/256, 1024/256") == [(256, 256), (1024, 256)]
+    with pytest.raises(ValueError, match="mix '256x256'"):
+        parse_mixes("256x256")
+    with pytest.raises(ValueError, match="feedback_share=2"):
+        OnlineBenchSpec(feedback_share=2)
+    with pytest.raises(ValueError, match="mix 0/8"):
+        OnlineBenchSpec(mixes=[(0, 8)])
