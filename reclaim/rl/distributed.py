@@ -28,18 +28,25 @@ class World:
     size: int = 1
     local_rank: int = 0
     started: bool = False  # the group was started here (and is destroyed by close)
+    device: torch.device = torch.device("cpu")  # where collectives run (nccl: this rank's GPU)
 
     @classmethod
     def start(cls, device: str | torch.device = "cpu") -> "World":
-        """Join torchrun's group (gloo on the CPU, nccl on CUDA); rank 0 of 1 without torchrun."""
+        """Join torchrun's group (gloo on the CPU, nccl on CUDA: "cuda" means cuda:LOCAL_RANK);
+        rank 0 of 1 without torchrun."""
         env = os.environ
         world = cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        device = torch.device(device)
+        if device.type == "cuda":
+            world.device = device if device.index is not None or world.size == 1 else \
+                torch.device("cuda", world.local_rank)
+            torch.cuda.set_device(world.device)
         if world.size == 1:
             return world
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
             world.started = True
         return world
 
@@ -93,7 +100,10 @@ class World:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(t)
+            buf = t.to(self.device)  # nccl reduces GPU tensors only
+            dist.all_reduce(buf)
+            if buf is not t:
+                t.copy_(buf)
         return t
 
     def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -131,7 +141,7 @@ class DoneSignal:
         if world.size > 1:
             import torch.distributed as dist
 
-            self._flag = torch.zeros(1)
+            self._flag = torch.zeros(1, device=world.device)
             self._work = dist.all_reduce(self._flag, async_op=True)
 
     def all_done(self, grace_s: float = 0.05) -> bool:

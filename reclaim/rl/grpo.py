@@ -667,6 +667,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     Under torchrun every rank calls this: each rolls out its share of every step on its own
     engine, the policy trains data parallel (see distributed.py), rank 0 logs and checkpoints."""
     world = World.start(cfg.device)
+    if world.device.type == "cuda":
+        cfg = dataclasses.replace(cfg, device=str(world.device))  # this rank's GPU
     try:
         return _train(cfg, world, progress, log)
     finally:
