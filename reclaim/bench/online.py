@@ -445,7 +445,10 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
 
 # ---- run, plot, write -------------------------------------------------------------------------
 
-def measure(spec: OnlineBenchSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def measure(spec: OnlineBenchSpec, log: Callable[[str], None] | None = None,
+            partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Training side, then serving side; `partial` gets the result with the training side alone
+    (so a run cut short in the serving side keeps it)."""
     from reclaim.models.loading import load_model, resolve_model_dir
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -456,12 +459,15 @@ def measure(spec: OnlineBenchSpec, log: Callable[[str], None] | None = None) -> 
     for p in model.parameters():
         p.requires_grad_(True)
     training = bench_training(model, tokenizer, spec, log)
+    result = dict(spec=asdict(spec), model=str(resolve_model_dir(spec.model)),
+                  dtype=str(next(model.parameters()).dtype), training=training, serving=None, meta=meta)
+    if partial is not None:
+        partial(result)
     from reclaim.online.trainer import CostModel
 
-    serving = bench_serving(model, tokenizer, spec, CostModel(**training["cost_model"]), log)
-    return dict(spec=asdict(spec), model=str(resolve_model_dir(spec.model)),
-                dtype=str(next(model.parameters()).dtype), training=training, serving=serving,
-                meta=finish_metadata(meta))
+    result["serving"] = bench_serving(model, tokenizer, spec, CostModel(**training["cost_model"]), log)
+    result["meta"] = finish_metadata(meta)
+    return result
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -516,7 +522,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(spec: OnlineBenchSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = measure(spec, log)
+    result = measure(spec, log, partial=lambda r: (out / "online.json").write_text(json.dumps(r, indent=2) + "\n"))
     (out / "online.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "online.png")
     return result
