@@ -390,8 +390,9 @@ def valid_outputs(texts: list[str], schema: dict) -> int:
 
 
 def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any]:
-    """At each concurrency and repeat: json_schema requests, then as many unconstrained ones with
-    as many tokens per request as the constrained replies averaged (ignore_eos), back to back."""
+    """At each concurrency and repeat, back to back: json_schema requests and unconstrained ones
+    with as many tokens per request as the constrained replies averaged (ignore_eos); the order
+    alternates between repeats, so a load that drifts during a pair favours neither side."""
     schema = spec.structured_schema
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
     levels = []
@@ -399,13 +400,22 @@ def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any
         n = max(spec.min_requests, spec.requests_per_client * c)
         got: dict[str, list] = {"json_schema": [], "unconstrained": []}
         valid = total = 0
+        per_request = 0  # known after the first constrained run (greedy: the same every repeat)
         for r in range(spec.repeats):
             texts: list[str] = []
-            js = asyncio.run(run_server_level(url, name, c, n, spec.structured_max_tokens, texts,
-                                              response_format=fmt))
+
+            def constrained() -> dict:
+                return asyncio.run(run_server_level(url, name, c, n, spec.structured_max_tokens, texts,
+                                                    response_format=fmt))
+
+            if r % 2 == 0:
+                js = constrained()
+                per_request = per_request or max(1, round(js["output_tok_per_s"] * js["wall_s"] / js["requests"]))
+                free = asyncio.run(run_server_level(url, name, c, n, per_request))
+            else:
+                free = asyncio.run(run_server_level(url, name, c, n, per_request))
+                js = constrained()
             valid, total = valid + valid_outputs(texts, schema), total + len(texts)
-            per_request = max(1, round(js["output_tok_per_s"] * js["wall_s"] / js["requests"]))
-            free = asyncio.run(run_server_level(url, name, c, n, per_request))
             got["json_schema"].append(js)
             got["unconstrained"].append(free)
             print(f"structured repeat {r + 1}/{spec.repeats} c={c}: json_schema {_line(js)}; "
@@ -584,7 +594,9 @@ def plot_structured(ax: Any, point: dict) -> None:
                     f"{r['outputs_valid']}/{r['outputs']} valid", (x, top), ha="center",
                     va="bottom", fontsize=8)
     ax.set_xticks(list(xs), [f"{r['concurrency']} clients" for r in rows])
-    ax.set(ylabel="output tokens/s", title="Structured output (json_schema) vs unconstrained")
+    load = (point.get("machine") or {}).get("load_average_at_start")
+    ax.set(ylabel="output tokens/s", title="Structured output (json_schema) vs unconstrained"
+           + (f", load {load[0]}" if load else ""))
     ax.legend(fontsize=8, loc="lower right")
 
 
