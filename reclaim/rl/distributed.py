@@ -106,19 +106,25 @@ class World:
                 t.copy_(buf)
         return t
 
-    def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Sum the parameters' gradients over ranks: one flat all-reduce (a missing grad counts as 0)."""
+    def sum_grads(self, params: Iterable[torch.nn.Parameter], bucket_numel: int = 1 << 24) -> None:
+        """Sum the parameters' gradients over ranks (a missing grad counts as 0): one all-reduce per
+        flat bucket of about bucket_numel elements, so the copy costs a bucket, not the model."""
         if self.size == 1:
             return
         params = [p for p in params if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = self.sum_(torch.cat([p.grad.reshape(-1) for p in params]))
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        bucket: list[torch.nn.Parameter] = []
+        for i, p in enumerate(params):
+            bucket.append(p)
+            if i + 1 == len(params) or sum(q.numel() for q in bucket) + params[i + 1].numel() > bucket_numel:
+                flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]))
+                offset = 0
+                for q in bucket:
+                    q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
+                    offset += q.numel()
+                bucket = []
 
     def signal_done(self) -> "DoneSignal":
         """Say this rank is done (non-blocking); the signal completes once every rank has said so."""
