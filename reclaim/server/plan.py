@@ -239,6 +239,8 @@ def _grammar(req: SamplingRequest, grammars: GrammarCompiler,
         ("structured_outputs.json_object", (so and so.json_object) or None, json_object),
         ("tool_choice", tools if tools and tools.mode != "auto" else None,
          lambda t, _: g.json_schema(t.schema(req), "tools")),
+        ("tools", tools if tools and tools.strict else None,  # "auto" with a strict tool
+         lambda t, _: g.grammar(t.auto_grammar(req), "tools")),
     ]
     asked = [c for c in candidates if c[1] is not None]
     if len(asked) > 1:

@@ -4,7 +4,10 @@ Formats read from a model's text (tool_choice "auto"): Hermes/Qwen blocks
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one or more), and a reply that is
 only a JSON object `{"name": ..., "arguments"|"parameters": {...}}` or a list of them (Llama 3
 style). With tool_choice "required" the output is constrained to a JSON list of such objects,
-and with a named function to that function's arguments, so the call always parses.
+and with a named function to that function's arguments, so the call always parses. With "auto"
+and a tool marked `strict` (OpenAI: the arguments follow the schema), the text stays free but a
+`<tool_call>` block, once opened, is constrained to a call of a given tool with arguments that
+fit its schema; only that format is read then.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from reclaim.server.structured import closed
 FORMATS = ("hermes", "json")  # what "auto" parses
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 OPEN_TAG = "<tool_call>"
+# A constrained Hermes call (auto_grammar): OPEN_TAG, HERMES_HEAD, the arguments, HERMES_TAIL.
+HERMES_HEAD = '\n{{"name": {name}, "arguments": '
+HERMES_TAIL = "}\n</tool_call>"
 ANY_OBJECT = {"type": "object"}
 
 
@@ -46,12 +52,17 @@ class ToolPlan:
     names: tuple[str, ...]
     named: str | None = None  # the function tool_choice names
     parallel: bool = True  # parallel_tool_calls: more than one call per reply
+    strict: bool = False  # "auto" with a strict tool: <tool_call> blocks are constrained
+
+    @staticmethod
+    def _parameters(request: ChatCompletionRequest) -> dict[str, dict]:
+        return {t.function.name: closed(t.function.parameters or ANY_OBJECT)
+                if t.function.strict else t.function.parameters or ANY_OBJECT
+                for t in request.tools or []}
 
     def schema(self, request: ChatCompletionRequest) -> dict | None:
         """The JSON schema the output is constrained to (None for 'auto': free text)."""
-        params = {t.function.name: closed(t.function.parameters or ANY_OBJECT)
-                  if t.function.strict else t.function.parameters or ANY_OBJECT
-                  for t in request.tools or []}
+        params = self._parameters(request)
         if self.mode == "named":
             return params[self.named]
         if self.mode == "required":
@@ -66,6 +77,19 @@ class ToolPlan:
             return array
         return None
 
+    def auto_grammar(self, request: ChatCompletionRequest) -> str:
+        """A Lark grammar (llguidance's) for "auto" with strict tools: free text in which each
+        `<tool_call>` opens a Hermes call of one of the tools, its arguments fitting the schema.
+        The opening tag is a lazy lexeme: text runs until it appears, then the call is forced."""
+        params = self._parameters(request)
+        heads = " | ".join(f'{json.dumps(HERMES_HEAD.format(name=json.dumps(n)))} %json '
+                           f'{json.dumps(params[n])}' for n in self.names)
+        return ("%llguidance {}\n"
+                f"start: call{'*' if self.parallel else '?'} TEXT\n"
+                f"call: call_open ({heads}) {json.dumps(HERMES_TAIL)}\n"
+                f"call_open[lazy]: TEXT {json.dumps(OPEN_TAG)}\n"
+                "TEXT: /(.|\\n)*/\n")
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output."""
         if self.mode == "named":
@@ -77,7 +101,7 @@ class ToolPlan:
                 return text, []  # cut short by max_tokens or a stop string
             return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
                           for c in items]
-        content, calls = parse_tool_calls(text, self.names)
+        content, calls = parse_tool_calls(text, self.names, hermes_only=self.strict)
         return content, calls if self.parallel else calls[:1]
 
 
@@ -99,7 +123,8 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
             raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is "
                            f"not among the tools; allowed: {list(names)}", param="tool_choice")
         return ToolPlan("named", names, choice.function.name, req.parallel_tool_calls)
-    return ToolPlan(choice, names, parallel=req.parallel_tool_calls)
+    return ToolPlan(choice, names, parallel=req.parallel_tool_calls,
+                    strict=choice == "auto" and any(t.function.strict for t in tools))
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
@@ -126,8 +151,10 @@ def _call(obj: Any, names: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ToolCall]]:
-    """Tool calls in a model's free text (FORMATS), and the content left beside them."""
+def parse_tool_calls(text: str, names: tuple[str, ...],
+                     hermes_only: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """Tool calls in a model's free text (FORMATS, or Hermes blocks only), and the content left
+    beside them."""
     if OPEN_TAG in text:
         calls = []
         for block in HERMES.findall(text):
@@ -141,7 +168,7 @@ def parse_tool_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, lis
         content = text[:text.index(OPEN_TAG)].strip()
         return content or None, calls
     stripped = text.strip()
-    if stripped[:1] in ("{", "["):
+    if stripped[:1] in ("{", "[") and not hermes_only:
         try:
             obj = json.loads(stripped)
         except json.JSONDecodeError:

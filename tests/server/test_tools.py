@@ -1,6 +1,7 @@
 """Tool calling: tools reach the chat template, tool_choice required / named constrain the
-output to a call that parses, "auto" parses the formats in tools.FORMATS, streamed and not, and
-tool results and earlier calls are accepted in the history."""
+output to a call that parses, "auto" parses the formats in tools.FORMATS, streamed and not, a
+strict tool under "auto" constrains each call the model opens, and tool results and earlier
+calls are accepted in the history."""
 
 from __future__ import annotations
 
@@ -172,3 +173,62 @@ def test_parse_tool_call_formats():
     for text in ('<tool_call>{"name": "h", "arguments": {}}</tool_call>',
                  '<tool_call>{"name": "f", "argu', '{"answer": 42}', "hello"):
         assert parse_tool_calls(text, names) == (text, [])
+
+
+STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS[:1]] + TOOLS[1:]
+
+
+def strict_plan(server, **body):
+    """The plan the server makes for an "auto" request with a strict tool."""
+    from reclaim.server.plan import Limits, plan_chat
+    from reclaim.server.schemas import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"messages": MSG, "tools": STRICT_TOOLS, "tool_choice": "auto", **body})
+    return plan_chat(req, server.tokenizer, Limits(("tiny-llama",), 1024, len(server.tokenizer)))
+
+
+def walk(server, constraint, text: str) -> int | None:
+    """Feed `text`'s tokens through the constraint: the index of the first token its mask
+    refuses, or None when all pass."""
+    ids = server.tokenizer.encode(text, add_special_tokens=False)
+    for i, t in enumerate(ids):
+        if not constraint.allowed(len(server.tokenizer))[t]:
+            return i
+        constraint.accept(t)
+    return None
+
+
+def test_strict_tool_under_auto_constrains_each_call(server):
+    """OpenAI's `strict` with tool_choice auto: free text stays free, but a <tool_call> block,
+    once opened, must be a call of a given tool whose arguments fit its schema."""
+    plan = strict_plan(server)
+    tools = plan.tools
+    assert tools.strict and plan.params[0].constraint is not None
+    good = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris",'
+            '"unit":"c"}}\n</tool_call>')
+    assert walk(server, strict_plan(server).params[0].constraint, good) is None
+    content, calls = tools.parse(good)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather"]
+    check_calls([c.body() for c in calls])
+    assert walk(server, strict_plan(server).params[0].constraint, "No call needed, it is sunny.") is None
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"town":"Paris"}}\n</tool_call>'
+    refused = walk(server, strict_plan(server).params[0].constraint, bad)
+    assert refused is not None  # refused where the arguments leave the schema
+    prefix = server.tokenizer.decode(server.tokenizer.encode(bad, add_special_tokens=False)[:refused])
+    assert prefix.startswith('<tool_call>\n{"name": "get_weather", "arguments": {') and "town" not in prefix
+    unknown = '<tool_call>\n{"name": "get_stock", "arguments": {}}\n</tool_call>'
+    assert walk(server, strict_plan(server).params[0].constraint, unknown) is not None
+    # Only the constrained format is read: a bare JSON reply is text, not an unchecked call.
+    assert tools.parse(PLAIN) == (PLAIN, [])
+
+
+def test_strict_tool_under_auto_is_served_and_conflicts_name_themselves(http):
+    body = {"messages": MSG, "tools": STRICT_TOOLS, **SAMPLED, "n": 2}
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        if choice["message"].get("tool_calls"):  # a random model rarely calls; any call fits
+            check_calls(choice["message"]["tool_calls"])
+    r = http.post(CHAT, json={**body, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
