@@ -52,3 +52,14 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     from reclaim.models.loading import save_model
 
     return save_model(tiny_target(len(tokenizer)), tokenizer, tmp_path_factory.mktemp("target") / "tiny")
+
+
+def fixed_depth(**fields):
+    """A SpeculativeConfig that drafts exactly num_speculative_tokens at every verify (what the
+    acceptance replay assumes), also where the engine's default adapts the depth per request."""
+    import dataclasses
+
+    from reclaim.engine.speculative import SpeculativeConfig
+
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    return SpeculativeConfig(**fields, **({"dynamic_depth": False} if "dynamic_depth" in names else {}))

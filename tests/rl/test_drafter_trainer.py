@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_target
+from conftest import fixed_depth, tiny_target
 from typer.testing import CliRunner
 
 from reclaim.config import ConfigError, load_config
@@ -205,11 +205,10 @@ def test_a_bad_config_field_is_named(tmp_path):
 
 def _engine_tau(target, drafter, prompts, max_tokens: int, tmp_path, k: int = 4):
     """Greedy outputs and tau of the engine's own EAGLE speculation with `drafter`."""
-    from reclaim.engine.speculative import SpeculativeConfig
     from reclaim.models.drafter import save_drafter
 
     path = save_drafter(drafter, tmp_path / "drafter")
-    engine = Engine(target, None, max_num_seqs=16, max_model_len=128, speculative=SpeculativeConfig(
+    engine = Engine(target, None, max_num_seqs=16, max_model_len=128, speculative=fixed_depth(
         method="eagle", model=str(path), num_speculative_tokens=k, max_batch=16))
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     st = engine.stats()

@@ -148,7 +148,7 @@ def test_bad_config_is_refused_by_name(tmp_path):
     bad.write_text("num_generation: 4\n")
     with pytest.raises(ConfigError, match="'num_generation': did you mean 'num_generations'"):
         load_config(GRPOConfig, bad)
-    with pytest.raises(ConfigError, match=r"unknown task \['sudoku'\]; allowed: \['arithmetic'"):
+    with pytest.raises(ConfigError, match=r"unknown task \['sudoku'\]; allowed: \[.*'arithmetic'"):
         load_config(GRPOConfig, None, {"task": "arithmetic,sudoku"})
     with pytest.raises(ConfigError, match="loss_type='ppo' is not one of"):
         load_config(GRPOConfig, None, {"loss_type": "ppo"})

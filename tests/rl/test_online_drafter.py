@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_target
+from conftest import fixed_depth, tiny_target
 
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.speculative import SpeculativeConfig
 from reclaim.models.drafter import new_drafter, save_drafter
 from reclaim.rl.drafter_trainer import OnlineDrafter, collect, greedy_acceptance
 
@@ -27,7 +26,7 @@ def test_the_online_drafter_learns_a_fixed_target_and_the_engine_drafts_with_it(
     drafter = new_drafter(target)
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
     online = OnlineDrafter(drafter, buffer_tokens=100_000, lr=3e-3, max_steps=25, seed=0, eval_samples=4)
-    spec = SpeculativeConfig(method="eagle", model=str(save_drafter(drafter, tmp_path / "d")),
+    spec = fixed_depth(method="eagle", model=str(save_drafter(drafter, tmp_path / "d")),
                              num_speculative_tokens=4, max_batch=16)
     engine = Engine(target, None, max_num_seqs=16, max_model_len=64, speculative=spec,
                     drafter=online.proposer(target))
