@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from live_server import make_model, make_tokenizer  # noqa: E402
 from test_sigterm import free_port, wait_healthy  # noqa: E402
 
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints  # noqa: E402
 from reclaim.models.loading import save_model  # noqa: E402
 from reclaim.online.feedback import FeedbackLog  # noqa: E402
 
@@ -99,13 +100,16 @@ def test_kill_9_while_training_loses_no_feedback_and_trains_each_once(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     log = FeedbackLog(out / "feedback.db")
     assert {f.id: f.response_id for f in log.all()} == acked  # everything acknowledged is there
+    last = int(checkpoints(out)[-1].name.removeprefix(CHECKPOINT_PREFIX))
+    assert last >= 3 and last % 3 == 0
+    # what the restart must (re)train: pending feedback and feedback of steps past the checkpoint
+    redo = [f.id for f in log.all() if f.trained_at_step is None or f.trained_at_step > last]
+    assert redo
     log.close()
 
     proc, url = start(model_dir, config)  # resumes from the last checkpoint, reopens later steps
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
-            resumed = online_metric(http.get("/metrics").text, "version")
-            assert resumed % 3 == 0 and resumed >= 3  # the last checkpoint's step
             serve_and_correct(http, 4, acked)  # serving and learning go on after the restart
             deadline = time.monotonic() + 120
             while online_metric(http.get("/metrics").text, "pending_feedback") > 0:
@@ -124,4 +128,5 @@ def test_kill_9_while_training_loses_no_feedback_and_trains_each_once(tmp_path):
     assert log.pending() == []
     assert {f.id: f.trained_at_step for f in log.all()} == {
         fid: e["step"] for e in lines for fid in e["feedback_ids"]}
+    assert all(log.get(fid).trained_at_step > last for fid in redo)  # retrained after the restart
     log.close()
