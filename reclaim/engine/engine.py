@@ -30,7 +30,7 @@ from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
 from reclaim.engine.speculative import (
-    Draft, Drafter, DraftRequest, SpeculativeConfig, accept, accept_keyed, accept_tree, accept_tree_keyed,
+    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, accept, accept_keyed, accept_tree, accept_tree_keyed,
     make_drafter,
 )
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
@@ -122,7 +122,8 @@ class Engine:
         self.kv_on_weight_update = kv_on_weight_update
         self.speculative = speculative
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
-        self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0}
+        self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "plain_decodes": 0}
+        self.depths = self._depth_controller(speculative)
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
@@ -223,7 +224,7 @@ class Engine:
             outputs = self._drain_inbox()
             spec = self.speculative
             speculate = spec is not None and len(self.scheduler.running) <= spec.max_batch
-            sched = self.scheduler.schedule(spec.lookahead if speculate else 0)
+            sched = self.scheduler.schedule(self._lookahead if speculate else 0)
             self.last_schedule = sched
             self.num_preemptions += len(sched.preempted)
             share = getattr(self.drafter, "share", None)
@@ -261,11 +262,30 @@ class Engine:
                 outputs.append(output(req, [], [] if req.logprobs is not None else None, self.weights_version))
         return outputs
 
+    @staticmethod
+    def _depth_controller(spec: SpeculativeConfig | None) -> DepthController | None:
+        if spec is None or not spec.dynamic_depth:
+            return None
+        return DepthController(spec.num_speculative_tokens, spec.draft_overhead, spec.draft_token_cost)
+
+    def _lookahead(self, seq: Any) -> int:
+        """Draft tokens to make room for after this decode: the config's, or with dynamic depth
+        the request's own (a chain that deep; a tree whole or not at all; 0: decode plainly)."""
+        spec = self.speculative
+        if self.depths is None:
+            return spec.lookahead
+        k = self.depths.depth(seq.request_id)
+        if k == 0:
+            self.spec_stats["plain_decodes"] += 1
+        return k if spec.eagle_topk == 1 else (spec.lookahead if k else 0)
+
     def _release(self, req: RequestState) -> None:
         """Forget a finished request and free its blocks."""
         self.scheduler.remove(req.seq.request_id)
         del self._requests[req.seq.request_id]
         self._partial.discard(req.seq.request_id)
+        if self.depths is not None:
+            self.depths.release(req.seq.request_id)
         if self.drafter is not None:
             self.drafter.release(req.seq.request_id)
 
@@ -447,6 +467,8 @@ class Engine:
         self.spec_stats["verifies"] += 1
         self.spec_stats["drafted"] += len(draft.tokens)
         self.spec_stats["accepted"] += kept - 1
+        if self.depths is not None:  # a chain's length, or a tree's depth, against what it kept
+            self.depths.update(req.seq.request_id, max(draft.depths()), kept - 1)
         if self.drafter is not None:
             self.drafter.observe(req.seq.request_id, chunk.start, req.seq.token_ids[chunk.start:] + tokens[:-1],
                                  hidden)
@@ -509,6 +531,7 @@ class Engine:
                 self.drafter.topk, self.drafter.depth = config.eagle_topk, config.num_speculative_tokens
                 self.drafter.total = config.lookahead
             self.speculative = config
+            self.depths = self._depth_controller(config)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy new weights in between steps (the names of model.state_dict()); returns the new version.

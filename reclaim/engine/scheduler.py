@@ -8,6 +8,7 @@ tokens". `schedule()` returns a plain `SchedulerOutput`; the engine runs it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from reclaim.engine.kv_cache import BlockManager
@@ -123,14 +124,15 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self, lookahead: int = 0) -> SchedulerOutput:
+    def schedule(self, lookahead: int | Callable[[Sequence], int] = 0) -> SchedulerOutput:
         """Pick this step's chunks, decode first: every running sequence that needs one token gets
         it (preempting the newest under block pressure), then running prefills (chunked) and
         waiting sequences share what is left of the token budget, oldest first. A long prompt
         therefore never delays the streams already decoding by more than one budget's forward.
 
         lookahead: room for up to that many speculative tokens after each decode (capped by the
-        context and the request's max_tokens); a decode whose extra blocks are not free gets none.
+        context and the request's max_tokens), or a function of the sequence giving its own; a
+        decode whose extra blocks are not free gets none.
         Advances each scheduled sequence's `num_computed`, as the engine will run the chunk (the
         engine moves it back over draft tokens it rejects).
         """
@@ -153,7 +155,8 @@ class Scheduler:
                     break
             else:
                 chunk = self._chunk(seq, 1)
-                chunk.lookahead = self._lookahead(seq, min(lookahead, budget - 1))
+                want = lookahead(seq) if callable(lookahead) else lookahead
+                chunk.lookahead = self._lookahead(seq, min(want, budget - 1)) if want else 0
                 chunks.append(chunk)
                 budget -= 1 + chunk.lookahead
                 i += 1

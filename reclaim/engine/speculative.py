@@ -44,6 +44,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 4  # ngram: longest suffix to look up
     model: str | None = None  # eagle: drafter directory
+    # Per-request depth from its measured acceptance (DepthController): a sequence the drafter
+    # keeps missing decodes plainly (re-probed now and then) instead of paying for drafts.
+    dynamic_depth: bool = True
+    draft_overhead: float = 0.05  # a speculative step's fixed extra cost, in plain decode steps
+    draft_token_cost: float = 0.05  # drafting and verifying one more token, in plain decode steps
 
     @property
     def lookahead(self) -> int:
@@ -69,6 +74,9 @@ class SpeculativeConfig:
         if self.num_draft_tokens is not None and not self.num_speculative_tokens <= self.num_draft_tokens <= 256:
             raise ValueError(f"num_draft_tokens={self.num_draft_tokens}; allowed: "
                              f"num_speculative_tokens ({self.num_speculative_tokens}) to 256")
+        if self.draft_overhead < 0 or self.draft_token_cost < 0:
+            raise ValueError(f"draft_overhead={self.draft_overhead}, draft_token_cost={self.draft_token_cost}; "
+                             "allowed: >= 0 (costs in plain decode steps)")
         if self.method == "eagle" and not self.model:
             raise ValueError("speculative method 'eagle' needs a drafter directory (model=PATH)")
 
@@ -83,6 +91,58 @@ def parse_speculative(spec: str | None, **fields: int | None) -> SpeculativeConf
         raise ValueError(f"--speculative {spec!r} is unknown; allowed: none, ngram, eagle:PATH (a drafter "
                          "directory in the EAGLE layout)")
     return SpeculativeConfig(method=method, model=path or None, **{k: v for k, v in fields.items() if v is not None})
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verification commits on average when each draft token is accepted with
+    probability alpha, independently, up to the first rejection: 1 + alpha + ... + alpha^k."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class DepthController:
+    """Each running request's draft depth from its own acceptance: the k in 0..max_depth that
+    maximises expected tokens per step cost, E(k) / (1 + overhead + k * token_cost) (k = 0:
+    plain decoding, cost 1). The acceptance estimate counts accepted tokens and first
+    rejections (the geometric model's maximum likelihood), decayed so it follows the text, with
+    half a prior acceptance and half a prior rejection. A request decoding plainly is probed with a
+    one-token draft every `probe_every` steps, so a drafter that starts hitting is noticed."""
+
+    def __init__(self, max_depth: int, overhead: float, token_cost: float, *, decay: float = 0.9,
+                 probe_every: int = 8) -> None:
+        self.max_depth, self.overhead, self.token_cost = max_depth, overhead, token_cost
+        self.decay, self.probe_every = decay, probe_every
+        self._stats: dict[str, list[float]] = {}  # request id -> [accepted, rejections, plain steps]
+
+    def alpha(self, request_id: str) -> float:
+        a, r, _ = self._stats.get(request_id, (0.0, 0.0, 0))
+        return (a + 0.5) / (a + r + 1)
+
+    def best_depth(self, alpha: float) -> int:
+        """The depth with the most expected tokens per unit of cost (0 when none beats plain)."""
+        def rate(k: int) -> float:
+            return expected_tokens(alpha, k) / (1 + (self.overhead + k * self.token_cost if k else 0))
+        return max(range(self.max_depth + 1), key=lambda k: (rate(k), -k))
+
+    def depth(self, request_id: str) -> int:
+        """This step's depth for the request (counts plain steps towards the next probe)."""
+        k = self.best_depth(self.alpha(request_id))
+        if k:
+            return k
+        st = self._stats.setdefault(request_id, [0.0, 0.0, 0])
+        st[2] += 1
+        if st[2] >= self.probe_every:
+            st[2] = 0
+            return 1
+        return 0
+
+    def update(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verification's outcome: `accepted` of `drafted` chain tokens (or tree path length)."""
+        st = self._stats.setdefault(request_id, [0.0, 0.0, 0])
+        st[0] = self.decay * st[0] + accepted
+        st[1] = self.decay * st[1] + (1 if accepted < drafted else 0)
+
+    def release(self, request_id: str) -> None:
+        self._stats.pop(request_id, None)
 
 
 @dataclass

@@ -249,3 +249,56 @@ def test_tree_first_token_distribution_matches_target(rule):
         counts[fn(logits, draft, params, gen)[0][0]] += 1
     stat = _chi2(counts, target)
     assert (stat < CHI2_CRITICAL_5DF) == (rule == "right"), (rule, stat)
+
+
+def test_depth_controller_picks_the_depth_with_most_tokens_per_cost():
+    """The chosen depth maximises E(k) / cost(k) (checked against every depth); a drafter that
+    always misses ends in plain decoding with a one-token probe every probe_every steps; one
+    that always hits keeps the deepest draft."""
+    from reclaim.engine.speculative import DepthController, expected_tokens
+
+    dc = DepthController(8, overhead=0.05, token_cost=0.05, probe_every=4)
+    for alpha in (0.0, 0.05, 0.2, 0.5, 0.8, 0.95, 1.0):
+        k = dc.best_depth(alpha)
+        rates = [expected_tokens(alpha, j) / (1 + (0.05 + 0.05 * j if j else 0)) for j in range(9)]
+        assert rates[k] == max(rates)
+    assert dc.best_depth(0.02) == 0 and dc.best_depth(0.99) == 8
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4
+    for _ in range(30):
+        k = dc.depth("miss")
+        if k:
+            dc.update("miss", k, 0)
+        dc.update("hit", dc.depth("hit"), dc.depth("hit"))
+    assert dc.alpha("miss") < 0.1 and [dc.depth("miss") for _ in range(8)].count(1) == 2
+    assert dc.depth("hit") == 8
+
+
+def test_dynamic_depth_stops_paying_for_a_drafter_that_misses(tiny):
+    """A drafter whose tokens are never right: with dynamic depth most decodes run plain (its
+    probes still verify now and then), with the same greedy output; without it, every decode
+    verifies a draft."""
+    from reclaim.engine.speculative import Drafter
+
+    ours, _ = tiny
+
+    class Wrong(Drafter):
+        def propose(self, requests):
+            return [Draft([(r.token_ids[-1] + 1) % TINY["vocab_size"]] * r.max_tokens) for r in requests]
+
+        def observe(self, *a):
+            pass
+
+        def release(self, seq_id):
+            pass
+
+    prompts = _prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _run(_engine(ours), prompts, params)
+    runs = {}
+    for dynamic in (True, False):
+        cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64, dynamic_depth=dynamic)
+        eng = _engine(ours, speculative=cfg, drafter=Wrong(), max_num_seqs=4)
+        assert _run(eng, prompts, params) == want
+        runs[dynamic] = eng.stats()
+    assert runs[False]["spec_verifies"] >= 4 * 35 and runs[False]["spec_plain_decodes"] == 0
+    assert runs[True]["spec_plain_decodes"] > 1.5 * runs[True]["spec_verifies"] > 0
