@@ -53,3 +53,46 @@ def test_the_online_drafter_learns_a_fixed_target_and_the_engine_drafts_with_it(
     assert sum(losses[-1][-5:]) < 0.7 * sum(losses[0][:5])
     assert taus[-1] > taus[0]
     assert online.buffer.num_tokens == 3 * sum(len(p) + 15 for p in prompts)
+
+
+def test_grpo_with_the_online_drafter_trains_the_plain_policy_and_resumes_the_drafter(tiny_model_dir, tmp_path,
+                                                                                    one_thread):
+    """One process: the drafter trains after each rollout (its budget of steps), the completions
+    and the policy are plain rollouts' (seeded sampling, lossless speculation), and a resumed run
+    continues from the checkpoint's drafter and its step count."""
+    import json
+    import shutil
+
+    from test_grpo import REWARD_FILE, _assert_same_run
+
+    from reclaim.config import load_config
+    from reclaim.models.loading import load_model
+    from reclaim.rl.grpo import GRPOConfig, train
+
+    (tmp_path / "even.py").write_text(REWARD_FILE)
+    torch.manual_seed(0)
+    save_drafter(new_drafter(load_model(tiny_model_dir)[0]), tmp_path / "drafter")
+    base = {"model": str(tiny_model_dir), "reward_funcs": [f"{tmp_path / 'even.py'}:even"], "max_steps": 3,
+            "log_completions": True}
+    online = {**base, "speculative": f"eagle:{tmp_path / 'drafter'}", "spec_threshold": 64, "drafter_online": True,
+              "drafter_max_steps_per_rollout": 3, "drafter_learning_rate": 1e-3}
+    train(load_config(GRPOConfig, "grpo-tiny", {**base, "output_dir": str(tmp_path / "plain")}), progress=False)
+    train(load_config(GRPOConfig, "grpo-tiny", {**online, "output_dir": str(tmp_path / "online")}), progress=False)
+    _assert_same_run(tmp_path / "plain", tmp_path / "online", 3)
+    assert (tmp_path / "plain" / "completions.jsonl").read_text() == \
+        (tmp_path / "online" / "completions.jsonl").read_text()
+    recs = [json.loads(line) for line in (tmp_path / "online" / "log.jsonl").read_text().splitlines()]
+    assert [r["drafter/steps"] for r in recs] == [3, 3, 3] and recs[-1]["drafter/total_steps"] == 9
+    assert all(r["drafter/tau_online"] >= 1 and r["drafter/tau_frozen"] >= 1 for r in recs)
+    assert recs[0]["drafter/tau_online"] == recs[0]["drafter/tau_frozen"]  # the first rollout drafts with the start
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "online", resumed)
+    shutil.rmtree(resumed / "checkpoint-3")
+    shutil.rmtree(resumed / "checkpoint-2")
+    train(load_config(GRPOConfig, "grpo-tiny", {**online, "output_dir": str(resumed), "resume_from_checkpoint": True}),
+          progress=False)
+    again = [json.loads(line) for line in (resumed / "log.jsonl").read_text().splitlines()]
+    assert [r["drafter/total_steps"] for r in again] == [3, 6, 9]
+    # The second rollout drafts with the checkpoint's drafter, as the uninterrupted run's did.
+    assert again[1]["drafter/tau_online"] == pytest.approx(recs[1]["drafter/tau_online"])
+    _assert_same_run(tmp_path / "plain", resumed, 3)
