@@ -62,6 +62,7 @@ class SpecBenchSpec:
     spec_max_batch: int = 4
     threads: int | None = 1
     hf_peer: bool = True
+    repeats: int = 2  # runs of each method, interleaved (tokens/s: the median, and the spread)
     seed: int = 0
     out_dir: str = "benchmarks"
 
@@ -74,6 +75,8 @@ def _methods(spec: SpecBenchSpec, drafter: str) -> dict[str, Any]:
         "plain": None,
         "ngram": SpeculativeConfig(method="ngram", prompt_lookup_max=3, **common),
         "eagle-chain": SpeculativeConfig(method="eagle", model=drafter, **common),
+        # The same chain at its full depth every step: what dynamic depth (the default) changes.
+        "eagle-chain-fixed": SpeculativeConfig(method="eagle", model=drafter, dynamic_depth=False, **common),
         "eagle-tree": SpeculativeConfig(method="eagle", model=drafter, eagle_topk=spec.tree_topk,
                                         num_draft_tokens=spec.tree_tokens, **common),
     }
@@ -97,6 +100,12 @@ def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batc
             "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else None,
             "draft_share": s["draft_seconds"] / secs, "verifies": s["verifies"],
             "outputs": [o.token_ids for o in outs]}
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median tokens/s (the lower middle one), with every run's tokens/s beside it."""
+    rs = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**rs[(len(rs) - 1) // 2], "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
 
 
 def run_hf(hf: Any, prompts: list[list[int]], max_tokens: int, lookup: int | None) -> dict[str, Any]:
@@ -144,7 +153,11 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
         params = SamplingParams(temperature=temp, max_tokens=spec.max_tokens, seed=None)
         for batch in spec.batch_sizes:
             use = prompts[: max(batch, half)] if batch == 1 else prompts
-            runs = {name: run_engine(model, tok, use, params, batch, cfg) for name, cfg in methods.items()}
+            tries: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
+            for _ in range(spec.repeats):  # interleaved, so drifting load hits every method alike
+                for name, cfg in methods.items():
+                    tries[name].append(run_engine(model, tok, use, params, batch, cfg))
+            runs = {name: _median_run(rs) for name, rs in tries.items()}
             base = runs["plain"]
             for name, r in runs.items():
                 row = {"temperature": temp, "batch": batch, "method": name, "prompts": len(use),

@@ -14,16 +14,17 @@ def test_bench_spec_writes_every_point(tiny_model_dir, tmp_path):
     drafter = save_drafter(new_drafter(target), tmp_path / "drafter")
     spec = SpecBenchSpec(model=str(tiny_model_dir), drafter=str(drafter), batch_sizes=[1, 2],
                          temperatures=[0.0, 0.7], num_prompts=4, max_tokens=6, depth=2, tree_topk=2,
-                         tree_tokens=3, out_dir=str(tmp_path / "out"))
+                         tree_tokens=3, repeats=2, out_dir=str(tmp_path / "out"))
     main(spec)
     result = json.loads((tmp_path / "out" / "spec.json").read_text())
     assert (tmp_path / "out" / "spec.png").stat().st_size > 0
     methods = {(p["temperature"], p["batch"], p["method"]) for p in result["points"]}
     for t in (0.0, 0.7):
         for b in (1, 2):
-            assert {(t, b, m) for m in ("plain", "ngram", "eagle-chain", "eagle-tree")} <= methods
+            assert {(t, b, m) for m in ("plain", "ngram", "eagle-chain", "eagle-chain-fixed", "eagle-tree")} <= methods
     assert {(0.0, 1, "transformers"), (0.0, 1, "transformers-prompt-lookup")} <= methods
     for p in result["points"]:
         if p["temperature"] == 0 and p["method"] != "transformers-prompt-lookup":
             assert p["identical_to_plain"] == p["prompts"], p  # lossless, and the same as transformers
+    assert all(len(p["tokens_per_s_runs"]) == 2 for p in result["points"] if "verifies" in p)
     assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["cpu_model"]
