@@ -17,9 +17,9 @@ reported at each `max_num_batched_tokens` (the engine's token budget per step, p
 server's engine args), with the long prompt's time to first token beside it.
 
 The structured-output point (issue 11): at each concurrency, the same clients send requests with
-`response_format: json_schema` (STRUCTURED_SCHEMA by default, strict; the grammar ends each reply) and then
-unconstrained ones, as many tokens per request as the constrained replies averaged; tokens/s of
-both and the ratio, every constrained output validated against the schema. `only="structured"`
+`response_format: json_schema` (STRUCTURED_SCHEMA by default, strict; the grammar ends each
+reply) and unconstrained ones, each as long as the constrained reply to the same prompt; tokens/s
+of both and the ratio, every constrained output validated against the schema. `only="structured"`
 runs this point alone and adds it to an existing serve.json.
 """
 
@@ -180,10 +180,12 @@ def chat_messages(i: int) -> list[dict[str, str]]:
 
 # ---- reclaim server through the openai client ----
 
-async def _client_loop(client: Any, model: str, queue: deque, max_tokens: int,
-                       out: list[Timing], texts: list[str] | None = None, **extra: Any) -> None:
-    """Send queued requests one after another; `extra` goes to the request (response_format),
-    and each reply's text to `texts` when given."""
+async def _client_loop(client: Any, model: str, queue: deque, max_tokens: int | dict[int, int],
+                       out: list[Timing], replies: dict[int, tuple[str, int]] | None = None,
+                       **extra: Any) -> None:
+    """Send queued requests one after another; request i asks for max_tokens (or
+    max_tokens[i]); `extra` goes to the request (response_format); each reply's (text, tokens)
+    goes to `replies[i]` when given."""
     while queue:
         i = queue.popleft()
         start = time.perf_counter()
@@ -191,7 +193,8 @@ async def _client_loop(client: Any, model: str, queue: deque, max_tokens: int,
         tokens = 0
         parts: list[str] = []
         stream = await client.chat.completions.create(
-            model=model, messages=chat_messages(i), max_tokens=max_tokens, temperature=0.0,
+            model=model, messages=chat_messages(i), temperature=0.0,
+            max_tokens=max_tokens[i] if isinstance(max_tokens, dict) else max_tokens,
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             **extra)
         async for chunk in stream:
@@ -202,8 +205,8 @@ async def _client_loop(client: Any, model: str, queue: deque, max_tokens: int,
                 tokens = chunk.usage.completion_tokens
         end = time.perf_counter()
         out.append(Timing(start, first or end, end, tokens))
-        if texts is not None:
-            texts.append("".join(parts))
+        if replies is not None:
+            replies[i] = ("".join(parts), tokens)
 
 
 def _client(url: str) -> Any:
@@ -212,14 +215,14 @@ def _client(url: str) -> Any:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
 
 
-async def run_server_level(url: str, model: str, c: int, n: int, max_tokens: int,
-                           texts: list[str] | None = None, **extra: Any) -> dict:
-    """`c` closed-loop streaming clients sending `n` requests in all (`extra`, `texts`: see
-    _client_loop)."""
+async def run_server_level(url: str, model: str, c: int, n: int, max_tokens: int | dict[int, int],
+                           replies: dict[int, tuple[str, int]] | None = None, **extra: Any) -> dict:
+    """`c` closed-loop streaming clients sending `n` requests in all (`max_tokens`, `extra`,
+    `replies`: see _client_loop)."""
     queue, timings = deque(range(n)), []
     async with _client(url) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(_client_loop(client, model, queue, max_tokens, timings, texts, **extra)
+        await asyncio.gather(*(_client_loop(client, model, queue, max_tokens, timings, replies, **extra)
                                for _ in range(c)))
         wall = time.perf_counter() - t0
     return summarize(timings, wall)
@@ -390,9 +393,10 @@ def valid_outputs(texts: list[str], schema: dict) -> int:
 
 
 def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any]:
-    """At each concurrency and repeat, back to back: json_schema requests and unconstrained ones
-    with as many tokens per request as the constrained replies averaged (ignore_eos); the order
-    alternates between repeats, so a load that drifts during a pair favours neither side."""
+    """At each concurrency and repeat, back to back: json_schema requests and unconstrained ones,
+    request i of those asking for (ignore_eos) as many tokens as constrained reply i had, so both
+    sides do the same work in the same batches; the order alternates between repeats, so a
+    load that drifts during a pair favours neither side."""
     schema = spec.structured_schema
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
     levels = []
@@ -400,31 +404,33 @@ def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any
         n = max(spec.min_requests, spec.requests_per_client * c)
         got: dict[str, list] = {"json_schema": [], "unconstrained": []}
         valid = total = 0
-        per_request = 0  # known after the first constrained run (greedy: the same every repeat)
+        lengths: dict[int, int] = {}  # request i -> its constrained reply's tokens (greedy: fixed)
         for r in range(spec.repeats):
-            texts: list[str] = []
+            replies: dict[int, tuple[str, int]] = {}
 
             def constrained() -> dict:
-                return asyncio.run(run_server_level(url, name, c, n, spec.structured_max_tokens, texts,
-                                                    response_format=fmt))
+                return asyncio.run(run_server_level(url, name, c, n, spec.structured_max_tokens,
+                                                    replies, response_format=fmt))
 
             if r % 2 == 0:
                 js = constrained()
-                per_request = per_request or max(1, round(js["output_tok_per_s"] * js["wall_s"] / js["requests"]))
-                free = asyncio.run(run_server_level(url, name, c, n, per_request))
+                lengths = lengths or {i: max(1, k) for i, (_, k) in replies.items()}
+                free = asyncio.run(run_server_level(url, name, c, n, lengths))
             else:
-                free = asyncio.run(run_server_level(url, name, c, n, per_request))
+                free = asyncio.run(run_server_level(url, name, c, n, lengths))
                 js = constrained()
-            valid, total = valid + valid_outputs(texts, schema), total + len(texts)
+            valid += valid_outputs([text for text, _ in replies.values()], schema)
+            total += len(replies)
             got["json_schema"].append(js)
             got["unconstrained"].append(free)
             print(f"structured repeat {r + 1}/{spec.repeats} c={c}: json_schema {_line(js)}; "
-                  f"unconstrained ({per_request} tokens/request) {_line(free)}", flush=True)
+                  f"unconstrained (the same lengths) {_line(free)}", flush=True)
         ratios = [a["output_tok_per_s"] / b["output_tok_per_s"]
                   for a, b in zip(got["json_schema"], got["unconstrained"])]
         levels.append({"concurrency": c, "requests": n, **{k: aggregate(v) for k, v in got.items()},
                        "json_schema_vs_unconstrained_tok_per_s": spread(ratios),
-                       "outputs_valid": valid, "outputs": total})
+                       "outputs_valid": valid, "outputs": total,
+                       "reply_tokens": [lengths[i] for i in sorted(lengths)]})
     return {"schema": schema, "max_tokens": spec.structured_max_tokens, "levels": levels}
 
 
