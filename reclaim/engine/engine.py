@@ -272,12 +272,23 @@ class Engine:
         """Draft tokens to make room for after this decode: the config's, or with dynamic depth
         the request's own (a chain that deep; a tree whole or not at all; 0: decode plainly)."""
         spec = self.speculative
+        if not self._can_speculate(seq.params):
+            return 0
         if self.depths is None:
             return spec.lookahead
         k = self.depths.depth(seq.request_id)
         if k == 0:
             self.spec_stats["plain_decodes"] += 1
         return k if spec.eagle_topk == 1 else (spec.lookahead if k else 0)
+
+    def _can_speculate(self, params: SamplingParams) -> bool:
+        """Requests whose logits are processed speculate in chains only (each draft position's
+        logits processed as if the draft tokens before it were committed), and a grammar must
+        be able to roll back the draft tokens it was advanced over."""
+        if not params.processes_logits:
+            return True
+        return self.speculative.eagle_topk == 1 and (params.constraint is None
+                                                     or hasattr(params.constraint, "rollback"))
 
     def _release(self, req: RequestState) -> None:
         """Forget a finished request and free its blocks."""
@@ -428,13 +439,42 @@ class Engine:
             x = self.runner.logits(hidden[a - chunk.start: b - chunk.start])
             req.prompt_logprobs += token_logprobs(x, seq.token_ids[a + 1: b + 1], [k] * (b - a))
 
+    def _processed_draft(self, req: RequestState, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
+        """A chain's verification logits [L + 1, V] processed position by position, as plain
+        decoding would process them had the draft tokens before each been committed (penalties,
+        min_tokens, bad words, the grammar advanced over them and rolled back after). The draft
+        ends before a token its position's processing forbids or one that completes the grammar
+        (the commit path stops the request there)."""
+        p, seq = req.seq.params, req.seq
+        stop = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
+        rows, advanced, n = [], 0, len(draft.tokens)
+        try:
+            for j in range(len(draft.tokens) + 1):
+                rows.append(process_logits(logits[j], p, prompt, output + draft.tokens[:j], stop))
+                if j == len(draft.tokens):
+                    break
+                d = draft.tokens[j]
+                if rows[-1][d] == float("-inf"):
+                    n = j
+                    break
+                if p.constraint is not None:
+                    p.constraint.accept(d)
+                    advanced += 1
+                    if p.constraint.finished():
+                        n = j
+                        break
+        finally:
+            if advanced:
+                p.constraint.rollback(advanced)
+        return torch.stack(rows[: n + 1]), draft.truncate(n)
+
     def _drafts(self, chunks: list[ScheduledChunk]) -> dict[str, Draft]:
-        """Drafts for the decodes the scheduler left room for (empty drafts dropped); requests
-        whose logits are processed (penalties, grammars) are not speculated."""
+        """Drafts for the decodes the scheduler left room for (empty drafts dropped)."""
         t0 = time.perf_counter()
         asks = [DraftRequest(c.request_id, self._requests[c.request_id].seq.token_ids, c.lookahead,
                              self._requests[c.request_id].seq.params, self._requests[c.request_id].generator)
-                for c in chunks if c.lookahead > 0 and not self._requests[c.request_id].seq.params.processes_logits]
+                for c in chunks if c.lookahead > 0 and self._can_speculate(self._requests[c.request_id].seq.params)]
         if not asks:
             return {}
         drafts = {}
@@ -450,6 +490,8 @@ class Engine:
         try:
             keyed = req.seq.params.seed is not None and not req.seq.params.greedy
             position = req.seq.num_tokens  # of the first token this verification chooses
+            if req.seq.params.processes_logits:
+                logits, draft = self._processed_draft(req, logits, draft)
             if draft.parents is None:
                 tokens = (accept_keyed(logits, draft, req.seq.params, position) if keyed else
                           accept(logits, draft, req.seq.params, req.generator, self.generator))
@@ -468,7 +510,7 @@ class Engine:
         self.spec_stats["drafted"] += len(draft.tokens)
         self.spec_stats["accepted"] += kept - 1
         if self.depths is not None:  # a chain's length, or a tree's depth, against what it kept
-            self.depths.update(req.seq.request_id, max(draft.depths()), kept - 1)
+            self.depths.update(req.seq.request_id, max(draft.depths(), default=0), kept - 1)
         if self.drafter is not None:
             self.drafter.observe(req.seq.request_id, chunk.start, req.seq.token_ids[chunk.start:] + tokens[:-1],
                                  hidden)

@@ -228,10 +228,7 @@ class Scheduler:
         self._computing = []
 
     def _lookahead(self, seq: Sequence, want: int) -> int:
-        """Draft tokens worth verifying after `seq`'s decode, with their blocks allocated (none
-        for a request whose logits are processed: the engine does not speculate those)."""
-        if seq.params.processes_logits:
-            return 0
+        """Draft tokens worth verifying after `seq`'s decode, with their blocks allocated."""
         left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens)  # incl. this step's
         n = max(0, min(want, left - 1, self.max_model_len - seq.num_tokens - 1))
         while n > 0 and not self.blocks.allocate(seq.request_id, seq.num_computed + n):

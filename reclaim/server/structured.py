@@ -47,6 +47,11 @@ class GrammarConstraint:
     def finished(self) -> bool:
         return self.matcher.is_stopped()
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens (a speculative draft checked and not kept)."""
+        if not self.matcher.rollback(num_tokens):
+            raise ValueError(f"the grammar could not roll back {num_tokens} tokens: {self.matcher.get_error()}")
+
 
 @dataclass(frozen=True)
 class Grammar:

@@ -302,3 +302,81 @@ def test_dynamic_depth_stops_paying_for_a_drafter_that_misses(tiny):
         runs[dynamic] = eng.stats()
     assert runs[False]["spec_verifies"] >= 4 * 35 and runs[False]["spec_plain_decodes"] == 0
     assert runs[True]["spec_plain_decodes"] > 1.5 * runs[True]["spec_verifies"] > 0
+
+
+class _Parity:
+    """A toy grammar with state: after an even token only odd ones, after an odd one only even
+    ones (the first token free); it can roll back, so the engine speculates it."""
+
+    def __init__(self) -> None:
+        self.history: list[int] = []
+
+    def allowed(self, vocab_size):
+        if not self.history:
+            return None
+        return torch.arange(vocab_size) % 2 != self.history[-1] % 2
+
+    def accept(self, token_id):
+        if self.history and token_id % 2 == self.history[-1] % 2:
+            raise ValueError(f"token {token_id} breaks the parity rule")
+        self.history.append(token_id)
+
+    def finished(self):
+        return False
+
+    def rollback(self, n):
+        del self.history[len(self.history) - n:]
+
+
+def _processed_params(i, **kw):
+    return [SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3, **kw),
+            SamplingParams(max_tokens=24, ignore_eos=True, constraint=_Parity(), **kw),
+            SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.3, min_tokens=20,
+                           logit_bias={3: 2.0}, **kw)][i % 3]
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.3, 7)])
+def test_requests_with_processed_logits_speculate_and_match_plain(tiny, temperature, seed):
+    """Penalties, min_tokens, logit_bias and a grammar (with rollback) are speculated in chains,
+    each draft position processed as if the tokens before it were committed: greedy and seeded
+    outputs identical to plain decoding, and drafts did land."""
+    ours, _ = tiny
+    prompts = _prompts(12, seed=4)
+    mk = lambda: [_processed_params(i, temperature=temperature, seed=seed) for i in range(12)]  # noqa: E731
+    plain = _run(_engine(ours, max_num_seqs=6), prompts, mk())
+    eng = _engine(ours, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64,
+                                                      prompt_lookup_max=3, dynamic_depth=False), max_num_seqs=6)
+    params = mk()
+    assert _run(eng, prompts, params) == plain
+    for i in range(1, 12, 3):  # the grammar held, and was rolled back to exactly what was committed
+        out = plain[i]
+        assert all(a % 2 != b % 2 for a, b in zip(out, out[1:]))
+        assert params[i].constraint.history == out
+    s = eng.stats()
+    assert s["spec_verifies"] > 0 and s["spec_accepted"] > 0 and s["kv_blocks_used"] == 0
+
+
+def test_json_schema_output_speculated_equals_plain_on_the_default_model(smol):
+    """A real grammar (llguidance, JSON schema) on SmolLM2: the speculated answer is the plain
+    one, it parses, and drafts were verified and accepted inside the grammar."""
+    import json
+
+    from reclaim.models.tokenizer import encode_chat
+    from reclaim.server.structured import GrammarCompiler
+
+    model, tok, _ = smol
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "city": {"type": "string"}},
+              "required": ["name", "age", "city"], "additionalProperties": False}
+    grammars = GrammarCompiler(tok)
+    grammar = grammars.json_schema(schema, "response_format")
+    prompt = encode_chat(tok, [{"role": "user", "content": "Describe Ada, 36, from London, as JSON."}])
+    outs = []
+    for spec in (None, SpeculativeConfig(method="ngram", num_speculative_tokens=4, dynamic_depth=False)):
+        eng = Engine(model, tok, max_num_seqs=1, max_model_len=512, speculative=spec)
+        params = SamplingParams(temperature=0, max_tokens=48, constraint=grammars.constraint(grammar))
+        outs.append(eng.generate([prompt], params)[0])
+    assert outs[0].token_ids == outs[1].token_ids and outs[1].finish_reason == "stop"
+    assert set(json.loads(outs[1].text)) == {"name", "age", "city"}
+    s = eng.stats()
+    assert s["spec_verifies"] > 0 and s["spec_accepted"] > 0
