@@ -530,6 +530,54 @@ def bench_spec(
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
 
 
+@bench_app.command("rl")
+def bench_rl(
+    model: str = typer.Argument(None, help="HF model directory; omitted: the config's (the bundled SmolLM2)."),
+    config: str = typer.Option("grpo-smollm2-add", help="GRPO config every arm shares (bundled name or YAML)."),
+    drafter: str = typer.Option(None, help="EAGLE drafter directory or 'ngram'; omitted: the default model's "
+                                "cached drafter, else ngram."),
+    steps: int = typer.Option(3, help="RL steps per arm."),
+    prompts_per_step: int = typer.Option(1, help="Prompts per RL step (gradient_accumulation_steps)."),
+    num_generations: int = typer.Option(8, help="Completions per prompt."),
+    max_completion_length: int = typer.Option(128, help="Most tokens per completion."),
+    spec_threshold: int = typer.Option(4, help="Speculate only while at most this many sequences are in flight."),
+    static_depth: int = typer.Option(4, help="The static arm's draft depth (EAGLE chain or ngram)."),
+    adaptive_depths: str = typer.Option("2,4", help="Comma-separated draft depths the adaptive arm's bandit tries."),
+    greedy_prompts: int = typer.Option(4, help="Prompts of the greedy identity check (0: skip)."),
+    arms: str = typer.Option(",".join(("plain", "static", "adaptive", "trl")),
+                             help="Comma-separated arms: plain, static, adaptive, trl."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke sizes: 2 steps of 1 prompt x 4 completions of 12 "
+                               "tokens (other size options ignored)."),
+    accuracy: str = typer.Option(None, "--accuracy", help="Instead: greedy held-out accuracy of this `reclaim "
+                                 "grpo` output_dir's last checkpoint against its starting model."),
+    eval_prompts: int = typer.Option(100, help="--accuracy: held-out prompts."),
+    threads: int = typer.Option(1, help="torch threads."),
+    out_dir: str = typer.Option("benchmarks", help="Where rl.json and rl.png (or rl-accuracy.json) go."),
+) -> None:
+    """GRPO steps with plain, static-speculative and adaptive (TLT) rollouts, and TRL's GRPOTrainer."""
+    from reclaim.bench.rl import RLBenchSpec, held_out_accuracy, main, quick_spec
+
+    if accuracy is not None:
+        try:
+            r = held_out_accuracy(accuracy, eval_prompts, threads=threads, out_dir=out_dir)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+        typer.echo(f"held-out greedy accuracy on {eval_prompts} prompts: {r['before']['accuracy']:.3f} before, "
+                   f"{r['after']['accuracy']:.3f} after {r['steps']} steps; wrote {out_dir}/rl-accuracy.json")
+        return
+    common = dict(model=model, config=config, drafter=drafter, arms=arms.split(","), threads=threads,
+                  out_dir=out_dir)
+    try:
+        spec = quick_spec(**common) if quick else RLBenchSpec(
+            steps=steps, prompts_per_step=prompts_per_step, num_generations=num_generations,
+            max_completion_length=max_completion_length, spec_threshold=spec_threshold, static_depth=static_depth,
+            adaptive_depths=[int(d) for d in adaptive_depths.split(",")], greedy_prompts=greedy_prompts, **common)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    main(spec)
+    typer.echo(f"wrote {out_dir}/rl.json and {out_dir}/rl.png")
+
+
 # ---- rl: grpo (owner: rl) ----
 
 @app.command("grpo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -1,0 +1,464 @@
+"""`reclaim bench rl`: GRPO steps with plain, static-speculative and adaptive rollouts, and TRL.
+
+Every arm runs the same GRPO config (a bundled one, `grpo-smollm2-add` by default: one-step
+additions in words, whose answers run from a few tokens to the length cap, a long tail) on the
+same model and the same prompts for `steps` RL steps, one after the other in one process:
+
+- plain: reclaim's engine, no speculation;
+- static: speculation in the tail with one fixed config (an EAGLE chain of `static_depth`, the
+  best fixed point of `reclaim bench spec` on this CPU), whenever at most `spec_threshold`
+  sequences are in flight;
+- adaptive: TLT's rollout, a bandit per batch-size bucket choosing plain or a draft depth in the
+  tail (and the drafter trained online on the rollouts, where GRPOConfig has `drafter_online`);
+- trl: TRL's `GRPOTrainer` (transformers `generate`) with the same config, prompts in the same order.
+
+Reported per RL step: rollout tokens/s, the time and tokens/s in the long tail (at most
+`spec_threshold` sequences in flight), the mean accepted length tau (tokens committed per
+verifying forward), reward and step time. The reclaim arms sample with per-request seeds and
+speculation is lossless, so their completions must be identical (counted per step); a greedy
+rollout of `greedy_prompts` prompts through each arm's rollout runner is compared token for token.
+
+`held_out_accuracy` (`reclaim bench rl --accuracy RUN_DIR`) scores a GRPO run: greedy accuracy on
+prompts of its task that it never trained on, for the starting model and the run's last checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reclaim.bench.meta import finish_metadata, run_metadata
+
+ARMS = ("plain", "static", "adaptive", "trl")
+# The per-step metrics the figures and the summary use (reclaim's log names; TRL's are mapped to them).
+STEP_KEYS = ("rollout_tokens_per_s", "rollout_s", "rollout_tail_s", "rollout_tail_tokens_per_s", "rollout_spec_tau",
+             "reward", "step_time", "train_s", "completions/mean_length", "completions/max_length")
+
+
+@dataclass
+class RLBenchSpec:
+    """What to run: the GRPO config the arms share, its sizes here, the arms, where to write."""
+
+    config: str = "grpo-smollm2-add"  # bundled name or YAML path (GRPOConfig fields)
+    model: str | None = None  # None: the config's (the bundled SmolLM2-135M-Instruct)
+    drafter: str | None = None  # EAGLE drafter dir, or "ngram"; None: the default model's cached one, else ngram
+    steps: int = 3
+    prompts_per_step: int = 1
+    num_generations: int = 8
+    max_completion_length: int = 128
+    spec_threshold: int = 4
+    static_depth: int = 4
+    adaptive_depths: list[int] = field(default_factory=lambda: [2, 4])
+    greedy_prompts: int = 4
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    threads: int | None = 1
+    out_dir: str = "benchmarks"
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad or not self.arms or "plain" not in self.arms:
+            raise ValueError(f"arms={self.arms}: allowed {list(ARMS)}, and 'plain' (the baseline) must be one")
+        for name in ("steps", "prompts_per_step", "max_completion_length", "spec_threshold", "static_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2, got {self.num_generations}")
+        if self.greedy_prompts < 0 or not self.adaptive_depths or min(self.adaptive_depths) < 1:
+            raise ValueError(f"greedy_prompts={self.greedy_prompts} must be >= 0 and adaptive_depths="
+                             f"{self.adaptive_depths} non-empty depths >= 1")
+
+
+def quick_spec(**kw: Any) -> RLBenchSpec:
+    """A smoke-sized run (seconds on a tiny model): 2 steps of 1 prompt x 4 completions of 12 tokens,
+    all of it counted as tail (threshold 4) so that the speculating arms always speculate."""
+    base = dict(steps=2, prompts_per_step=1, num_generations=4, max_completion_length=12, spec_threshold=4,
+                static_depth=2, adaptive_depths=[1, 2], greedy_prompts=2)
+    return RLBenchSpec(**{**base, **kw})
+
+
+# ---- the arms' configs -------------------------------------------------------------------------
+
+def _speculative(spec: RLBenchSpec) -> str:
+    """GRPOConfig.speculative for the speculating arms: the drafter asked for, the default model's
+    cached EAGLE drafter, or ngram (prompt lookup) when there is none."""
+    if spec.drafter == "ngram":
+        return "ngram"
+    if spec.drafter is not None:
+        return f"eagle:{spec.drafter}"
+    from reclaim.models.loading import DEFAULT_NAMES
+    from reclaim.rl.drafter_trainer import default_drafter_path
+
+    if spec.model in DEFAULT_NAMES and (default_drafter_path() / "config.json").exists():
+        return f"eagle:{default_drafter_path()}"
+    return "ngram"
+
+
+def arm_configs(spec: RLBenchSpec, out: Path) -> dict[str, Any]:
+    """The GRPOConfig of each reclaim arm: the shared config resized, speculation per arm."""
+    from reclaim.config import load_config
+    from reclaim.rl.grpo import GRPOConfig
+
+    g = spec.num_generations
+    shared = {"max_steps": spec.steps, "num_generations": g, "per_device_train_batch_size": g,
+              "gradient_accumulation_steps": spec.prompts_per_step, "max_completion_length": spec.max_completion_length,
+              "save_steps": 0, "save_total_limit": 1, "logging_steps": 1, "log_completions": True,
+              "threads": spec.threads, "spec_threshold": spec.spec_threshold, "speculative": "none"}
+    if spec.model is not None:
+        shared["model"] = spec.model
+    base = load_config(GRPOConfig, spec.config, shared)
+    drafter = _speculative(spec)
+    per_arm = {"plain": {},
+               "static": {"speculative": drafter, "adaptive": False, "spec_depths": [spec.static_depth]},
+               "adaptive": {"speculative": drafter, "adaptive": True, "spec_depths": sorted(spec.adaptive_depths)}}
+    if "drafter_online" in {f.name for f in dataclasses.fields(GRPOConfig)}:
+        per_arm["adaptive"]["drafter_online"] = drafter.startswith("eagle")
+    return {arm: dataclasses.replace(base, output_dir=str(out / arm), **kw)
+            for arm, kw in per_arm.items() if arm in spec.arms}
+
+
+# ---- the reclaim arms --------------------------------------------------------------------------
+
+def run_reclaim(cfg: Any) -> dict[str, Any]:
+    """`reclaim grpo` with cfg; its per-step log and each step's completions."""
+    from reclaim.rl.grpo import train
+
+    t = time.perf_counter()
+    train(cfg, progress=False, log=lambda s: print(s, flush=True))
+    seconds = time.perf_counter() - t
+    out = Path(cfg.output_dir)
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    completions: dict[int, list[str]] = {}
+    for line in (out / "completions.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        completions.setdefault(rec["step"], []).append(rec["completion"])
+    steps = [{k: rec[k] for k in rec if k in STEP_KEYS or k == "step" or "drafter" in k or "spec" in k}
+             for rec in log]
+    return {"steps": steps, "completions": completions, "seconds": seconds}
+
+
+def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions of `prompts` through cfg's rollout runner (plain or speculative in the tail)."""
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+    from reclaim.rl.grpo import rollout_runner
+
+    engine = Engine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
+                    max_model_len=max(len(p) for p in prompts) + cfg.max_completion_length)
+    params = [SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length)] * len(prompts)
+    outs, _ = rollout_runner(cfg).generate(engine, prompts, params)
+    return [list(o.token_ids) for o in outs]
+
+
+def step_prompts(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], torch.nn.Module, Any]:
+    """The dataset rows of every RL step in order, the whole dataset, and the config's model and tokenizer."""
+    from reclaim.models.loading import load_model
+    from reclaim.rl.grpo import build_dataset, prompt_rows
+
+    rows = build_dataset(cfg)
+    per_step = cfg.generation_batch_size // cfg.num_generations
+    order = [i for s in range(cfg.max_steps) for i in prompt_rows(len(rows), per_step, s, cfg.seed)]
+    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    return [rows[i] for i in order], rows, model, tok
+
+
+# ---- TRL ---------------------------------------------------------------------------------------
+
+def run_trl(cfg: Any, rows: list[dict[str, Any]], tokenizer: Any, out: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same model, prompts (in order) and config; per-step rollout and step
+    time measured around its generation and its optimizer steps."""
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from reclaim.models.hf import load_hf_model
+    from reclaim.models.loading import resolve_model_dir
+    from reclaim.rl.rewards import load_reward
+
+    args = trl.GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+        loss_type=cfg.loss_type, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+        scale_rewards=cfg.scale_rewards, num_iterations=cfg.num_iterations, reward_weights=cfg.reward_weights,
+        learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps,
+        max_grad_norm=cfg.max_grad_norm, max_steps=cfg.max_steps, seed=cfg.seed, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+        shuffle_dataset=False, disable_tqdm=True)
+    if tokenizer.pad_token is None:
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.pad_token = tokenizer.eos_token
+    data = Dataset.from_list([{k: v for k, v in r.items()} for r in rows])
+    funcs = [load_reward(name) for name in cfg.reward_funcs]
+    hf = load_hf_model(resolve_model_dir(cfg.model))
+    trainer = trl.GRPOTrainer(model=hf, reward_funcs=funcs, args=args, train_dataset=data,
+                              processing_class=tokenizer)
+    gen: list[tuple[float, int]] = []
+    generate = trainer._generate
+
+    def timed_generate(prompts: list) -> Any:
+        t = time.perf_counter()
+        result = generate(prompts)
+        gen.append((time.perf_counter() - t, sum(len(c) for c in result[1])))  # (.., completion_ids, ..)
+        return result
+
+    trainer._generate = timed_generate
+    steps: list[dict[str, Any]] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append({"step": state.global_step, "step_time": time.perf_counter() - self.t})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if steps and logs and "reward" in logs:
+                steps[-1].update({k: logs[k] for k in ("reward", "completions/mean_length",
+                                                       "completions/max_length") if k in logs})
+
+    trainer.add_callback(Timer())
+    t = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t
+    for rec, (secs, tokens) in zip(steps, gen):
+        rec.update({"rollout_s": secs, "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / secs,
+                    "train_s": rec["step_time"] - secs})
+    return {"steps": steps, "seconds": seconds, "trl_version": trl.__version__}
+
+
+# ---- the whole run -----------------------------------------------------------------------------
+
+def _total(steps: list[dict[str, Any]], key: str) -> float:
+    return sum(s.get(key, 0.0) for s in steps)
+
+
+def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, Any]:
+    """Per arm over all steps: rollout and tail tokens/s (totals), mean and median step time, mean
+    tau, mean reward; speed-ups against plain and TRL (step times by their medians); the issue's
+    CPU goals and whether each is met."""
+    out: dict[str, Any] = {}
+    for name, arm in arms.items():
+        st = arm["steps"]
+        rollout_tokens = sum(s.get("rollout_tokens_per_s", 0) * s.get("rollout_s", 0) for s in st)
+        tail_tokens = sum(s.get("rollout_tail_tokens_per_s", 0) * s.get("rollout_tail_s", 0) for s in st)
+        taus = [s["rollout_spec_tau"] for s in st if s.get("rollout_spec_tau")]
+        out[name] = {
+            "rollout_tokens_per_s": rollout_tokens / max(_total(st, "rollout_s"), 1e-9),
+            "tail_seconds": _total(st, "rollout_tail_s") if name != "trl" else None,
+            "tail_tokens_per_s": (tail_tokens / _total(st, "rollout_tail_s")) if _total(st, "rollout_tail_s") else None,
+            "rollout_seconds_per_step": _total(st, "rollout_s") / len(st),
+            "step_time": statistics.mean(s["step_time"] for s in st),
+            "step_time_median": statistics.median(s["step_time"] for s in st),
+            "mean_tau": statistics.mean(taus) if taus else None,
+            "reward": statistics.mean(s["reward"] for s in st if "reward" in s) if any("reward" in s for s in st)
+            else None}
+        online = [s["drafter/tau_online"] for s in st if "drafter/tau_online" in s]
+        if online:  # drafter_online: held-out greedy tau of the trained drafter and of a frozen copy
+            out[name].update({"tau_online": online, "tau_frozen": [s.get("drafter/tau_frozen") for s in st],
+                              "drafter_seconds_per_step": statistics.mean(
+                                  s.get("drafter/train_s", 0) + s.get("drafter/eval_s", 0) for s in st)})
+    plain = out["plain"]
+    for name, s in out.items():  # step times compared by their medians: one load spike moves a mean
+        s["step_speedup_vs_plain"] = plain["step_time_median"] / s["step_time_median"]
+        s["rollout_speedup_vs_plain"] = s["rollout_tokens_per_s"] / plain["rollout_tokens_per_s"]
+        if s["tail_tokens_per_s"] and plain["tail_tokens_per_s"]:
+            s["tail_speedup_vs_plain"] = s["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
+        if "trl" in out:
+            s["step_speedup_vs_trl"] = out["trl"]["step_time_median"] / s["step_time_median"]
+    if goals and "adaptive" in out:
+        a = out["adaptive"]
+        out["goals"] = {"tail_throughput_2x_vs_plain": (a.get("tail_speedup_vs_plain"), 2.0),
+                        "step_time_1.5x_vs_plain": (a["step_speedup_vs_plain"], 1.5),
+                        "step_time_3x_vs_trl": (a.get("step_speedup_vs_trl"), 3.0)}
+        if a.get("tau_online"):
+            out["goals"]["online_tau_within_10pct_of_start"] = (min(a["tau_online"]) / a["tau_online"][0], 0.9)
+        out["goals"] = {k: {"measured": v, "goal": g, "met": v is not None and v >= g}
+                        for k, (v, g) in out["goals"].items()}
+    return out
+
+
+def measure(spec: RLBenchSpec) -> dict[str, Any]:
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    meta = run_metadata()
+    with tempfile.TemporaryDirectory(prefix="reclaim-bench-rl-") as tmp:
+        cfgs = arm_configs(spec, Path(tmp))
+        base = cfgs["plain"]
+        rows, dataset, model, tok = step_prompts(base)
+        arms: dict[str, dict[str, Any]] = {}
+        for name, cfg in cfgs.items():
+            print(f"== {name}: {cfg.speculative}{' adaptive' if cfg.adaptive and cfg.speculative != 'none' else ''}",
+                  flush=True)
+            arms[name] = run_reclaim(cfg)
+            for s in arms[name]["steps"]:
+                _print(name, s)
+        # Sampled completions: per-request seeds + lossless speculation = the same text in every arm.
+        ref = arms["plain"].pop("completions")
+        for name in cfgs:
+            if name != "plain":
+                got = arms[name].pop("completions")
+                arms[name]["identical_completions"] = [
+                    f"{sum(a == b for a, b in zip(got[s], ref[s]))}/{len(ref[s])}" for s in sorted(ref)]
+        greedy = None
+        if spec.greedy_prompts:
+            from reclaim.models.tokenizer import encode_chat
+
+            prompts = [encode_chat(tok, r["prompt"])[-(base.max_prompt_length or 10**9):]
+                       for r in dataset[:spec.greedy_prompts]]
+            outs = {name: greedy_outputs(cfg, model, tok, prompts) for name, cfg in cfgs.items()}
+            greedy = {name: f"{sum(a == b for a, b in zip(o, outs['plain']))}/{len(prompts)}"
+                      for name, o in outs.items() if name != "plain"}
+            greedy["tokens"] = sum(len(o) for o in outs["plain"])
+            print(f"greedy rollouts identical to plain: {greedy}", flush=True)
+        if "trl" in spec.arms:
+            print("== trl: GRPOTrainer, transformers generate", flush=True)
+            arms["trl"] = run_trl(base, rows, tok, Path(tmp) / "trl")
+            for s in arms["trl"]["steps"]:
+                _print("trl", s)
+    return {"spec": asdict(spec), "config": dataclasses.asdict(base),
+            "arm_settings": {n: {"speculative": c.speculative, "adaptive": c.adaptive, "spec_depths": c.spec_depths,
+                                 "drafter_online": getattr(c, "drafter_online", None)} for n, c in cfgs.items()},
+            "arms": arms, "greedy_identical_to_plain": greedy, "summary": summarize(arms),
+            "meta": finish_metadata(meta)}
+
+
+def _print(arm: str, s: dict[str, Any]) -> None:
+    tau = f" tau {s['rollout_spec_tau']:.2f}" if s.get("rollout_spec_tau") else ""
+    tail = f" tail {s['rollout_tail_s']:5.1f} s" if "rollout_tail_s" in s else ""
+    print(f"{arm:<9} step {s['step']}: rollout {s.get('rollout_tokens_per_s', 0):6.1f} tok/s{tail}{tau} "
+          f"reward {s.get('reward', float('nan')):.3f} step {s['step_time']:5.1f} s", flush=True)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("rollout_tokens_per_s", "rollout tokens/s"), ("rollout_tail_tokens_per_s", "tail tokens/s"),
+              ("rollout_tail_s", "time in the tail (s)"), ("rollout_spec_tau", "mean accepted length tau"),
+              ("reward", "reward"), ("step_time", "step time (s)")]
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    for ax, (key, title) in zip(axes.flat, panels):
+        for name, arm in result["arms"].items():
+            pts = [(s["step"], s[key]) for s in arm["steps"] if s.get(key) is not None]
+            color = f"C{ARMS.index(name)}"  # one colour per arm in every panel
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=color, label=name)
+            if key == "rollout_spec_tau":  # the online drafter's held-out tau beside its frozen start
+                for extra, style in (("drafter/tau_online", "--"), ("drafter/tau_frozen", ":")):
+                    pts = [(s["step"], s[extra]) for s in arm["steps"] if s.get(extra) is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), style, marker=".", color=color,
+                                label=f"{name} {extra.split('/')[1]} (held out)")
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.set_xticks(range(1, result["spec"]["steps"] + 1))
+        if ax.lines:
+            ax.legend(fontsize=7)
+    load = result["meta"]["machine"].get("load_average_at_start")
+    fig.suptitle(f"GRPO rollouts (reclaim bench rl), threshold {result['spec']['spec_threshold']} sequences; "
+                 f"load average at start {load}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(spec: RLBenchSpec) -> dict[str, Any]:
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = measure(spec)
+    (out / "rl.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / "rl.png")
+    return result
+
+
+# ---- does training work: held-out accuracy -----------------------------------------------------
+
+def held_out_rows(cfg: Any, n: int) -> list[dict[str, Any]]:
+    """`n` prompts of cfg's task that are not among its training prompts (another seed's draw)."""
+    from reclaim.rl.grpo import build_dataset
+
+    if cfg.dataset is not None:
+        raise ValueError(f"held-out accuracy needs a procedural task; the run trained on dataset {cfg.dataset!r}")
+    train = {r["question"] for r in build_dataset(cfg)}
+    drawn = build_dataset(dataclasses.replace(cfg, seed=cfg.seed + 1, num_prompts=2 * n))
+    rows = [r for r in drawn if r["question"] not in train][:n]
+    if len(rows) < n:
+        raise ValueError(f"task {cfg.task!r} has only {len(rows)} prompts outside the training set; asked {n}")
+    return rows
+
+
+def greedy_accuracy(model_dir: str | Path | None, cfg: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Greedy completions of `rows` by the model in `model_dir`: accuracy and format reward means."""
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+    from reclaim.models.loading import load_model
+    from reclaim.models.tokenizer import encode_chat
+    from reclaim.rl.rewards import accuracy_reward, format_reward
+
+    model, tok = load_model(model_dir, dtype=cfg.dtype, device=cfg.device)
+    prompts = [encode_chat(tok, r["prompt"])[-(cfg.max_prompt_length or 10**9):] for r in rows]
+    engine = Engine(model, tok, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
+                    max_model_len=max(len(p) for p in prompts) + cfg.max_completion_length)
+    t = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length))
+    texts = [[{"role": "assistant", "content": o.text}] for o in outs]
+    acc = accuracy_reward(None, texts, None, answer=[r["answer"] for r in rows])
+    fmt = format_reward(None, texts, None)
+    return {"model": str(model_dir), "prompts": len(rows), "accuracy": sum(acc) / len(acc),
+            "format": sum(fmt) / len(fmt), "mean_length": statistics.mean(len(o.token_ids) for o in outs),
+            "seconds": time.perf_counter() - t,
+            "examples": [{"question": r["question"], "answer": r["answer"], "completion": o.text}
+                         for r, o in list(zip(rows, outs))[:3]]}
+
+
+def held_out_accuracy(run_dir: str | Path, n: int = 100, threads: int | None = 1,
+                      out_dir: str | Path = "benchmarks") -> dict[str, Any]:
+    """Greedy accuracy on `n` held-out prompts of a `reclaim grpo` run's task: the starting model
+    against the run's last checkpoint, with how long the run trained; writes rl-accuracy.json."""
+    from reclaim.checkpoints import checkpoints
+    from reclaim.config import load_config
+    from reclaim.rl.grpo import GRPOConfig
+
+    run = Path(run_dir)
+    if not (run / "train_config.json").is_file():
+        raise ValueError(f"{str(run)!r} is not a `reclaim grpo` output_dir (no train_config.json)")
+    if threads:
+        torch.set_num_threads(threads)
+    meta = run_metadata()
+    saved = json.loads((run / "train_config.json").read_text())
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    cfg = load_config(GRPOConfig, None, {k: v for k, v in saved.items() if k in known})
+    found = checkpoints(run, require="trainer_state.json")
+    if not found:
+        raise ValueError(f"{str(run)!r} has no checkpoint yet; wait for the first save_steps")
+    rows = held_out_rows(cfg, n)
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()] if (
+        run / "log.jsonl").exists() else []
+    last = found[-1]
+    step = json.loads((last / "trainer_state.json").read_text())["global_step"]
+    log = [r for r in log if r["step"] <= step]
+    before = greedy_accuracy(cfg.model, cfg, rows)
+    print(f"before: accuracy {before['accuracy']:.3f} on {n} held-out prompts", flush=True)
+    after = greedy_accuracy(last, cfg, rows)
+    print(f"after {step} steps: accuracy {after['accuracy']:.3f}", flush=True)
+    k = max(1, min(5, len(log) // 2))
+    result = {"run": str(run), "task": cfg.task, "checkpoint": str(last), "steps": step,
+              "train_seconds": sum(r.get("step_time", 0.0) for r in log),
+              "completions_per_step": cfg.generation_batch_size, "learning_rate": cfg.learning_rate,
+              "sampled_reward_first_steps": statistics.mean(r["reward"] for r in log[:k]) if log else None,
+              "sampled_reward_last_steps": statistics.mean(r["reward"] for r in log[-k:]) if log else None,
+              "before": before, "after": after, "meta": finish_metadata(meta)}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rl-accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result

@@ -1,0 +1,93 @@
+"""The GRPO part of `reclaim demo`: two RL steps on the given model with adaptive speculative rollouts.
+
+The same pieces as `reclaim grpo` (grpo.py's rollout and loss; rollout.py's adaptive runner), sized to take seconds: one add_word prompt (data/tasks.py) with 6 sampled
+completions per step, speculation whenever at most 3 are still decoding, the bandit choosing
+plain or a draft depth there. It prints each step's rewards, rollout tokens/s, the time spent in
+the long tail and the drafts' acceptance, and leaves the caller's model unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from typing import Any, TextIO
+
+import torch
+
+
+def demo_config(speculative: str = "auto", steps: int = 2, threshold: int = 3) -> Any:
+    """The demo's GRPOConfig; speculative 'auto' is the default model's cached EAGLE drafter, else ngram."""
+    from reclaim.rl.grpo import GRPOConfig
+
+    if speculative == "auto":
+        from reclaim.rl.drafter_trainer import default_drafter_path
+
+        speculative = "eagle" if (default_drafter_path() / "config.json").is_file() else "ngram"
+    return GRPOConfig(task="add_word", num_prompts=8, num_generations=6, per_device_train_batch_size=6,
+                      gradient_accumulation_steps=1, max_completion_length=48, temperature=0.7,
+                      prompt_template="{question}\nEnd with the final answer as <answer>NUMBER</answer>.",
+                      reward_weights=[1.0, 0.5], learning_rate=1e-5, lr_scheduler_type="constant",
+                      max_steps=steps, seed=3, speculative=speculative, spec_threshold=threshold, spec_depths=[2, 4],
+                      output_dir="unused")
+
+
+def _backward(policy: torch.nn.Module, batch: Any, cfg: Any) -> float:
+    """The GRPO loss of the whole rollout as one micro-batch (the demo's batch is small), backpropagated."""
+    from reclaim.rl.grpo import completion_logps, grpo_loss
+
+    logps, _ = completion_logps(policy, batch.prompt_ids, batch.completion_ids, cfg.temperature)
+    loss, _ = grpo_loss(logps.float(), batch.advantages, batch.mask[:, :logps.shape[1]], loss_type=cfg.loss_type,
+                        epsilon_low=cfg.epsilon_low, epsilon_high=cfg.upper_epsilon,
+                        num_items_in_batch=float(batch.mask.sum()), max_completion_length=cfg.max_completion_length)
+    loss.backward()
+    return loss.item()
+
+
+def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None, *, speculative: str = "auto",
+              steps: int = 2, threshold: int = 3) -> dict[str, Any]:
+    """`steps` GRPO steps on a copy of `model` with adaptive speculative rollouts, printed to `out`
+    (stdout); returns the last step's metrics and the run's seconds."""
+    from reclaim.engine.engine import Engine
+    from reclaim.models.tokenizer import encode_chat
+    from reclaim.rl.grpo import build_dataset, prompt_rows, rollout, rollout_runner
+    from reclaim.rl.rewards import load_reward
+
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    cfg = demo_config(speculative, steps, threshold)
+    rows = build_dataset(cfg)
+    prompts = [encode_chat(tokenizer, r["prompt"]) for r in rows]
+    funcs = [load_reward(name) for name in cfg.reward_funcs]
+    policy = copy.deepcopy(model).train()  # trained here; the caller's model stays as it was
+    engine = Engine(copy.deepcopy(model).eval(), tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
+                    max_model_len=max(map(len, prompts)) + cfg.max_completion_length)
+    runner = rollout_runner(cfg)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
+    eos = set(engine.eos_token_ids)
+    spec = cfg.speculative if cfg.speculative != "eagle" else "eagle (the default model's drafter)"
+    out.write(f"GRPO: {cfg.num_generations} completions per prompt, speculative rollouts ({spec}) while at most "
+              f"{cfg.spec_threshold} are decoding, the depth chosen by a bandit\n")
+    metrics: dict[str, Any] = {}
+    for step in range(cfg.max_steps):
+        t = time.perf_counter()
+        idx = prompt_rows(len(rows), 1, step, cfg.seed)
+        batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg, funcs,
+                        cfg.reward_funcs, eos, runner=runner)
+        opt.zero_grad(set_to_none=True)
+        metrics = {**batch.metrics, "loss": _backward(policy, batch, cfg)}
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+        opt.step()
+        engine.update_weights(policy.state_dict())
+        metrics["step_time"] = time.perf_counter() - t
+        m = metrics
+        spec_line = (f", {m['rollout_spec_tau']:.2f} tokens per verify (acceptance "
+                     f"{m['rollout_spec_acceptance']:.0%})" if "rollout_spec_tau" in m else ", no drafts verified")
+        out.write(f"step {step + 1}: {rows[idx[0]]['question']!r} (answer {rows[idx[0]]['answer']})\n"
+                  f"  reward {m['reward']:.2f} (accuracy {m['rewards/accuracy/mean']:.2f}, format "
+                  f"{m['rewards/format/mean']:.2f}); completions {m['completions/min_length']:.0f}-"
+                  f"{m['completions/max_length']:.0f} tokens\n"
+                  f"  rollout {m['rollout_tokens_per_s']:.1f} tokens/s, {m['rollout_tail_s']:.1f} of "
+                  f"{m['rollout_s']:.1f} s in the long tail{spec_line}; step {m['step_time']:.1f} s\n")
+    out.flush()
+    return {**metrics, "steps": cfg.max_steps, "seconds": time.perf_counter() - t0}

@@ -1,0 +1,91 @@
+"""`reclaim bench rl` on a tiny model and drafter: every reclaim arm runs the same GRPO steps, the
+seeded sampled completions and the greedy rollouts of the speculating arms equal plain decoding's,
+and the JSON and PNG are written; held-out accuracy scores prompts the run never trained on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from reclaim.bench.rl import RLBenchSpec, held_out_accuracy, held_out_rows, main, quick_spec
+from reclaim.models.drafter import new_drafter, save_drafter
+from reclaim.models.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_model_dir, tmp_path_factory):
+    target, _ = load_model(tiny_model_dir)
+    return save_drafter(new_drafter(target), tmp_path_factory.mktemp("drafter") / "drafter")
+
+
+def _check(result, arms):
+    assert set(result["arms"]) == set(arms)
+    steps = result["spec"]["steps"]
+    for name in arms:
+        rows = result["arms"][name]["steps"]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))
+        for r in rows:
+            assert r["rollout_tokens_per_s"] > 0 and r["step_time"] > 0 and "reward" in r
+    for name in set(arms) - {"plain", "trl"}:
+        # Per-request seeds + lossless speculation: the same sampled completions in every reclaim arm.
+        assert all(a == a.split("/")[0] + "/" + a.split("/")[0] for a in result["arms"][name]["identical_completions"])
+        assert result["greedy_identical_to_plain"][name] == "2/2"
+    s = result["summary"]
+    assert s["plain"]["step_speedup_vs_plain"] == pytest.approx(1.0)
+    assert {"tail_throughput_2x_vs_plain", "step_time_1.5x_vs_plain", "step_time_3x_vs_trl"} <= set(s["goals"])
+    if result["arm_settings"]["adaptive"]["drafter_online"]:  # the online drafter's held-out tau beside the frozen one
+        assert len(s["adaptive"]["tau_online"]) == len(s["adaptive"]["tau_frozen"]) == steps
+        assert "online_tau_within_10pct_of_start" in s["goals"]
+
+
+def test_bench_rl_reclaim_arms_agree_and_write_json_and_png(tiny_model_dir, tiny_drafter, tmp_path):
+    arms = ["plain", "static", "adaptive"]
+    spec = quick_spec(model=str(tiny_model_dir), config="grpo-tiny", drafter=str(tiny_drafter), arms=arms,
+                      out_dir=str(tmp_path))
+    main(spec)
+    result = json.loads((tmp_path / "rl.json").read_text())
+    assert (tmp_path / "rl.png").stat().st_size > 0
+    _check(result, arms)
+    assert result["arm_settings"]["static"]["spec_depths"] == [2]
+    assert result["arm_settings"]["adaptive"]["speculative"].startswith("eagle:")
+    # The tail (at most 4 sequences in flight: all of a quick run) is where the speculating arms verified drafts.
+    assert any(r.get("rollout_spec_tau") for r in result["arms"]["static"]["steps"])
+    assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["torch_threads"] == 1
+
+
+@pytest.mark.slow
+def test_bench_rl_with_trl(tiny_model_dir, tmp_path):
+    arms = ["plain", "static", "adaptive", "trl"]
+    spec = quick_spec(model=str(tiny_model_dir), config="grpo-tiny", drafter="ngram", arms=arms,
+                      out_dir=str(tmp_path))
+    result = main(spec)
+    _check(result, arms)
+    assert result["summary"]["adaptive"]["step_speedup_vs_trl"] > 0
+
+
+def test_bench_rl_refuses_bad_arms():
+    with pytest.raises(ValueError, match="allowed"):
+        RLBenchSpec(arms=["plain", "vllm"])
+    with pytest.raises(ValueError, match="'plain'"):
+        RLBenchSpec(arms=["adaptive"])
+
+
+def test_held_out_accuracy_before_and_after_a_run(tiny_model_dir, tmp_path):
+    from reclaim.config import load_config
+    from reclaim.rl.grpo import GRPOConfig, build_dataset, train
+
+    cfg = load_config(GRPOConfig, "grpo-tiny", {"model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"),
+                                                "max_steps": 1, "task": "add_word"})
+    train(cfg, progress=False)
+    rows = held_out_rows(cfg, 6)
+    assert not {r["question"] for r in rows} & {r["question"] for r in build_dataset(cfg)}
+    r = held_out_accuracy(tmp_path / "run", 6, out_dir=tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "rl-accuracy.json").read_text())["steps"] == r["steps"] == 1
+    for side in ("before", "after"):
+        assert r[side]["prompts"] == 6 and 0 <= r[side]["accuracy"] <= 1
+    with pytest.raises(ValueError, match="not a `reclaim grpo` output_dir"):
+        held_out_accuracy(tmp_path, 6)
+    with pytest.raises(ValueError, match="procedural task"):
+        held_out_rows(dataclasses.replace(cfg, dataset=str(tmp_path / "run" / "log.jsonl")), 2)
