@@ -444,7 +444,7 @@ def bench_online(
     repeats: int = typer.Option(2, help="Timed runs per path and mix (medians)."),
     memory_budget_gib: float = typer.Option(2.0, "--memory-budget-gib", help="Activation budget for "
                                             "'trainable tokens under a memory budget'."),
-    requests: int = typer.Option(24, help="Requests in the serving stream."),
+    requests: int = typer.Option(24, help="Requests in the serving stream (0 skips the serving side)."),
     rate: float = typer.Option(0.5, help="Poisson arrival rate of the stream, requests/s."),
     scale: float = typer.Option(0.15, help="Multiplies ShareGPT's median turn lengths in the stream."),
     feedback_share: float = typer.Option(0.5, help="Share of served responses given feedback."),

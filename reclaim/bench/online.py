@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from reclaim.bench.meta import finish_metadata, run_metadata
-from reclaim.online.recorder import record_prompt, recompute_loss, reuse_loss
+from reclaim.online.recorder import record_prompt, recompute_loss, reuse_gradient_errors, reuse_loss
 
 MIXES = ((256, 256), (1024, 256), (2048, 512))
 
@@ -61,7 +61,7 @@ class OnlineBenchSpec:
     repeats: int = 2  # timed runs per path and mix (medians)
     threads: int | None = 2
     memory_budget_gib: float = 2.0  # activation budget for "trainable tokens under a budget"
-    requests: int = 24  # the serving stream
+    requests: int = 24  # the serving stream (0: no serving side)
     rate: float = 0.5  # Poisson arrivals, requests per second
     scale: float = 0.15  # multiplies the ShareGPT medians of the serving stream's turns
     max_turns: int = 3  # a request is turn 1..max_turns of its conversation
@@ -78,9 +78,11 @@ class OnlineBenchSpec:
         for p, r in self.mixes:
             if p < 1 or r < 1:
                 raise ValueError(f"mix {p}/{r}: prompt and response tokens must be >= 1")
-        for name in ("repeats", "requests", "max_turns", "train_batch", "max_num_seqs"):
+        for name in ("repeats", "max_turns", "train_batch", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.requests < 0:
+            raise ValueError(f"requests={self.requests}: must be >= 0 (0 skips the serving side)")
         if not 0 <= self.feedback_share <= 1:
             raise ValueError(f"feedback_share={self.feedback_share}: must be in [0, 1]")
         for name in ("rate", "scale", "memory_budget_gib"):
@@ -183,25 +185,6 @@ def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     return peak, out
 
 
-def gradient_errors(model: torch.nn.Module, prompt: list[int], resp: list[int]) -> dict[str, float]:
-    """Relative error of the whole gradient against recompute's, for exact reuse (full and
-    selective records) and for prefix_grad=False (gradient stopped at the prompt)."""
-    model.zero_grad(set_to_none=True)
-    _step(lambda: recompute_loss(model, [prompt], [resp]))
-    want = [p.grad.clone() for p in model.parameters()]
-    norm = sum(float(w.square().sum()) for w in want) ** 0.5
-    out = {}
-    for name, kw in (("exact_reuse_rel_err", {}), ("selective_reuse_rel_err", {"selective": True}),
-                     ("prefix_grad_false_rel_err", {"prefix_grad": False})):
-        model.zero_grad(set_to_none=True)
-        rec = record_prompt(model, prompt, response_id="g", version=0, **kw)
-        _step(lambda: reuse_loss(model, [rec], [resp]))
-        diff = sum(float((p.grad - w).square().sum()) for p, w in zip(model.parameters(), want))
-        out[name] = diff ** 0.5 / norm
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 def train_mix(model: torch.nn.Module, prompt: list[int], resp: list[int], repeats: int,
               cost: Any, grad_bytes: int, budget: float, warmup: bool) -> dict[str, Any]:
     """Every training figure of one mix (see the module docstring)."""
@@ -298,7 +281,9 @@ def bench_training(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec
         prompt, resp = mix_sample(tokenizer, turns, p, r)
         row = train_mix(model, prompt, resp, spec.repeats, cost, grad_bytes, budget, warmup=not rows)
         if not rows:
-            row.update(gradient_errors(model, prompt, resp))
+            row.update(reuse_gradient_errors(model, prompt, resp, {
+                "exact_reuse_rel_err": {}, "selective_reuse_rel_err": {"selective": True},
+                "prefix_grad_false_rel_err": {"prefix_grad": False}}))
         rows.append(row)
         log(f"mix {p}/{r}: recompute {row['recompute_tokens_per_s']:.1f} tok/s, reuse "
             f"{row['reuse_tokens_per_s']:.1f} ({row['speedup']:.2f}x, ceiling {row['ceiling']:.2f}x, "
@@ -465,9 +450,28 @@ def measure(spec: OnlineBenchSpec, log: Callable[[str], None] | None = None,
         partial(result)
     from reclaim.online.trainer import CostModel
 
-    result["serving"] = bench_serving(model, tokenizer, spec, CostModel(**training["cost_model"]), log)
+    if spec.requests:
+        result["serving"] = bench_serving(model, tokenizer, spec, CostModel(**training["cost_model"]), log)
     result["meta"] = finish_metadata(meta)
     return result
+
+
+def _plot_serving(ax: Any, s: dict[str, Any] | None) -> None:
+    """TTFT and TPOT percentiles, serving alone and with training co-located."""
+    if s is None:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "serving side not run (--requests 0)", ha="center")
+        return
+    stats = ("p50", "p90", "mean")
+    for k, (key, label) in enumerate((("serve_only", "serving only"), ("serve_and_learn", "serving + training"))):
+        ax.bar([j + (k - 0.5) * 0.35 for j in range(3)], [s[key]["ttft_s"][q] for q in stats], 0.35,
+               label=f"TTFT, {label}")
+        ax.bar([3.5 + j + (k - 0.5) * 0.35 for j in range(3)], [s[key]["tpot_s"][q] for q in stats],
+               0.35, label=f"TPOT, {label}", hatch="//", alpha=0.7)
+    ax.set_xticks([0, 1, 2, 3.5, 4.5, 5.5], [f"TTFT {q}" for q in stats] + [f"TPOT {q}" for q in stats],
+                  fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=6)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -501,18 +505,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("peak training MiB (grads + activations + record)")
     ax.legend(fontsize=7)
-    ax = axes[2]
-    s = result["serving"]
-    stats = ("p50", "p90", "mean")
-    for k, (key, label) in enumerate((("serve_only", "serving only"), ("serve_and_learn", "serving + training"))):
-        ax.bar([j + (k - 0.5) * 0.35 for j in range(3)], [s[key]["ttft_s"][q] for q in stats], 0.35,
-               label=f"TTFT, {label}")
-        ax.bar([3.5 + j + (k - 0.5) * 0.35 for j in range(3)], [s[key]["tpot_s"][q] for q in stats],
-               0.35, label=f"TPOT, {label}", hatch="//", alpha=0.7)
-    ax.set_xticks([0, 1, 2, 3.5, 4.5, 5.5], [f"TTFT {q}" for q in stats] + [f"TPOT {q}" for q in stats],
-                  fontsize=7)
-    ax.set_ylabel("seconds")
-    ax.legend(fontsize=6)
+    _plot_serving(axes[2], result["serving"])
     fig.suptitle("Online learning while serving (reclaim bench online): reuse vs recompute; serving latency")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

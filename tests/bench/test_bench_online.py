@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from reclaim.bench.online import OnlineBenchSpec, main, parse_mixes
+from reclaim.bench.online import OnlineBenchSpec, main, parse_mixes, plot
 
 
 def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
@@ -38,6 +38,8 @@ def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
     learned = serving["serve_and_learn"]["learning"]
     assert learned["train_steps"] >= 1 and learned["record_puts"] == 6
     assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["cpu_model"]
+    plot({**result, "serving": None}, tmp_path / "training-only.png")  # --requests 0
+    assert (tmp_path / "training-only.png").stat().st_size > 0
 
 
 def test_bad_mixes_and_values_are_refused():
@@ -46,5 +48,7 @@ def test_bad_mixes_and_values_are_refused():
         parse_mixes("256x256")
     with pytest.raises(ValueError, match="feedback_share=2"):
         OnlineBenchSpec(feedback_share=2)
+    with pytest.raises(ValueError, match="requests=-1"):
+        OnlineBenchSpec(requests=-1)
     with pytest.raises(ValueError, match="mix 0/8"):
         OnlineBenchSpec(mixes=[(0, 8)])
