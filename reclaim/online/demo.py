@@ -35,30 +35,6 @@ def correction_logprob(model: torch.nn.Module, prompt: list[int], answer: list[i
     return -float(loss) / n
 
 
-def gradient_check(model: torch.nn.Module, prompt: list[int], answer: list[int]) -> dict[str, float]:
-    """One sample's gradient by reusing a prompt record and by recomputing the prompt: relative
-    error of the whole gradient, and each path's forward + backward seconds."""
-    from reclaim.online.recorder import record_prompt, recompute_loss, reuse_loss
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    model.zero_grad(set_to_none=True)
-    t = time.perf_counter()
-    loss, n = recompute_loss(model, [prompt], [answer])
-    (loss / n).backward()
-    recompute_s = time.perf_counter() - t
-    want = torch.cat([p.grad.flatten() for p in params])
-    model.zero_grad(set_to_none=True)
-    rec = record_prompt(model, prompt, response_id="check", version=0)
-    t = time.perf_counter()
-    loss, n = reuse_loss(model, [rec], [answer])
-    (loss / n).backward()
-    reuse_s = time.perf_counter() - t
-    got = torch.cat([p.grad.flatten() for p in params])
-    model.zero_grad(set_to_none=True)
-    return {"grad_rel_err": float((got - want).norm() / want.norm()), "recompute_step_s": recompute_s,
-            "reuse_step_s": reuse_s}
-
-
 def demo_online(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None, *, rounds: int = 4,
                 max_tokens: int = 20, learning_rate: float = 1e-4) -> dict[str, Any]:
     """Serve, correct, train (reusing the prefill) for `rounds` rounds; returns the figures shown.
@@ -68,6 +44,7 @@ def demo_online(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = Non
     from reclaim.models.tokenizer import encode_chat
     from reclaim.online.colocate import Colocated, key_of_request
     from reclaim.online.learner import OnlineLearner
+    from reclaim.online.recorder import reuse_gradient_errors
     from reclaim.online.trainer import CostModel, OnlineTrainConfig
 
     out = out or sys.stdout
@@ -88,8 +65,7 @@ def demo_online(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = Non
         answer = tokenize(text)
         before = {"trained": correction_logprob(model, prompt, answer),
                   "held_out": correction_logprob(model, held_out, answer)}
-        check = gradient_check(model, prompt, answer)
-        # (the two steps' times are single runs, the first one cold: returned, not compared here)
+        check = {"grad_rel_err": reuse_gradient_errors(model, prompt, answer, {"exact": {}})["exact"]}
         out.write(f"gradient of a sample reusing the recorded prefill vs recomputing the prompt: "
                   f"relative error {check['grad_rel_err']:.1e} (fp32)\n")
         cfg = OnlineTrainConfig(output_dir=tmp.name, per_device_train_batch_size=1,

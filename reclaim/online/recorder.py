@@ -413,3 +413,26 @@ def recompute_loss(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                            reduction="sum")
     return loss, sum(len(r) for r in responses)
+
+
+def reuse_gradient_errors(model: torch.nn.Module, prompt_ids: Sequence[int],
+                          response_ids: Sequence[int], modes: dict[str, dict]) -> dict[str, float]:
+    """Relative error of one sample's whole gradient when it reuses a record made with each of
+    `modes` ({name: record_prompt keyword arguments}) against recomputing the prompt. Leaves the
+    gradients cleared."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(loss_n: tuple[torch.Tensor, int]) -> torch.Tensor:
+        loss, n = loss_n
+        (loss / n).backward()
+        g = torch.cat([p.grad.flatten() for p in params])
+        model.zero_grad(set_to_none=True)
+        return g
+
+    model.zero_grad(set_to_none=True)
+    want = gradient(recompute_loss(model, [prompt_ids], [response_ids]))
+    out = {}
+    for name, kw in modes.items():
+        rec = record_prompt(model, prompt_ids, response_id=name, version=0, **kw)
+        out[name] = float((gradient(reuse_loss(model, [rec], [response_ids])) - want).norm() / want.norm())
+    return out
