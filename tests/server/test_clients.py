@@ -118,7 +118,8 @@ def test_litellm_tool_call(server):
     litellm = pytest.importorskip("litellm")
     r = litellm.completion(model=f"openai/{MODEL_NAME}", api_base=server.url + "/v1",
                            api_key="unused", messages=ASK, tools=[WEATHER_TOOL],
-                           tool_choice="required", max_tokens=300, seed=5)
+                           tool_choice="required", parallel_tool_calls=False,  # one bounded call:
+                           max_tokens=300, seed=5)  # a random model's list may not close in 300
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments),
