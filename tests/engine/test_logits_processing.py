@@ -196,6 +196,24 @@ def test_bad_words_equal_transformers_no_bad_words(tiny):
         assert not any(_contains(out.token_ids, w) for w in words + [[5], [9, 33]])
 
 
+def test_token_restrictions_are_lossless_under_speculation(tiny):
+    """Speculated (ngram drafts over a repetitive prompt), bad words and allowed ids give plain
+    decoding's tokens, greedy and seeded."""
+    ours, _ = tiny
+    prompt = PROMPT[:5] * 3
+    plain = _engine(ours).generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    restricted = [dict(bad_words_token_ids=[plain[2:4], [plain[6]]]),
+                  dict(allowed_token_ids=sorted(set(range(96)) - {plain[1], plain[5]}))]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, **t, **kw)
+              for kw in restricted for t in ({"temperature": 0}, {"temperature": 1.0, "seed": 11})]
+    eng = _engine(ours, speculative=SpeculativeConfig(max_batch=8))
+    spec = eng.generate([prompt] * len(params), params)
+    alone = _engine(ours).generate([prompt] * len(params), params)
+    assert eng.spec_stats["drafted"] > 0  # drafts were verified for these rows
+    assert [o.token_ids for o in spec] == [o.token_ids for o in alone]
+    assert spec[0].token_ids != plain and spec[2].token_ids != plain  # the restrictions bind
+
+
 def test_token_restrictions_out_of_vocabulary_fail_the_request_alone(tiny):
     ours, _ = tiny
     v = ours.config.vocab_size
