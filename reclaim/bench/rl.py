@@ -145,17 +145,24 @@ def run_reclaim(cfg: Any) -> dict[str, Any]:
     return {"steps": steps, "completions": completions, "seconds": seconds}
 
 
-def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy completions of `prompts` through cfg's rollout runner (plain or speculative in the tail)."""
+def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any,
+                   prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Greedy completions of `prompts` through cfg's rollout runner (plain or speculative in the
+    tail) and how many drafts the target verified."""
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
     from reclaim.rl.grpo import rollout_runner
 
+    runner = rollout_runner(cfg)
+    # A drafter made mid-rollout has not seen the running sequences and cannot draft for them: the
+    # speculating arms' engines get theirs at the start, so the check compares drafted tokens.
+    arms = [a for a in (runner.bandit.arms if runner.bandit else []) if a is not None]
     engine = Engine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
-                    max_model_len=max(len(p) for p in prompts) + cfg.max_completion_length)
+                    max_model_len=max(len(p) for p in prompts) + cfg.max_completion_length,
+                    speculative=arms[0] if arms else None)
     params = [SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length)] * len(prompts)
-    outs, _ = rollout_runner(cfg).generate(engine, prompts, params)
-    return [list(o.token_ids) for o in outs]
+    outs, stats = runner.generate(engine, prompts, params)
+    return [list(o.token_ids) for o in outs], stats.spec.get("verifies", 0)
 
 
 def step_prompts(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], torch.nn.Module, Any]:
@@ -315,9 +322,11 @@ def measure(spec: RLBenchSpec) -> dict[str, Any]:
             prompts = [encode_chat(tok, r["prompt"])[-(base.max_prompt_length or 10**9):]
                        for r in dataset[:spec.greedy_prompts]]
             outs = {name: greedy_outputs(cfg, model, tok, prompts) for name, cfg in cfgs.items()}
-            greedy = {name: f"{sum(a == b for a, b in zip(o, outs['plain']))}/{len(prompts)}"
-                      for name, o in outs.items() if name != "plain"}
-            greedy["tokens"] = sum(len(o) for o in outs["plain"])
+            plain = outs["plain"][0]
+            greedy = {name: f"{sum(a == b for a, b in zip(o, plain))}/{len(prompts)}"
+                      for name, (o, _) in outs.items() if name != "plain"}
+            greedy["tokens"] = sum(len(o) for o in plain)
+            greedy["verifies"] = {name: v for name, (_, v) in outs.items() if name != "plain"}
             print(f"greedy rollouts identical to plain: {greedy}", flush=True)
         if "trl" in spec.arms:
             print("== trl: GRPOTrainer, transformers generate", flush=True)

@@ -1,7 +1,7 @@
 """The GRPO part of `reclaim demo`: two RL steps on the given model with adaptive speculative rollouts.
 
-The same pieces as `reclaim grpo` (grpo.py's rollout and loss; rollout.py's adaptive runner), sized to take seconds: one add_word prompt (data/tasks.py) with 6 sampled
-completions per step, speculation whenever at most 3 are still decoding, the bandit choosing
+The same pieces as `reclaim grpo` (grpo.py's rollout and loss; rollout.py's adaptive runner), sized to take seconds: one add_word prompt (data/tasks.py) with 4 sampled
+completions of at most 64 tokens per step, speculation whenever at most 2 are still decoding, the bandit choosing
 plain or a draft depth there. It prints each step's rewards, rollout tokens/s, the time spent in
 the long tail and the drafts' acceptance, and leaves the caller's model unchanged.
 """
@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import torch
 
 
-def demo_config(speculative: str = "auto", steps: int = 2, threshold: int = 3) -> Any:
+def demo_config(speculative: str = "auto", steps: int = 2, threshold: int = 2) -> Any:
     """The demo's GRPOConfig; speculative 'auto' is the default model's cached EAGLE drafter, else ngram."""
     from reclaim.rl.grpo import GRPOConfig
 
@@ -24,8 +24,8 @@ def demo_config(speculative: str = "auto", steps: int = 2, threshold: int = 3) -
         from reclaim.rl.drafter_trainer import default_drafter_path
 
         speculative = "eagle" if (default_drafter_path() / "config.json").is_file() else "ngram"
-    return GRPOConfig(task="add_word", num_prompts=8, num_generations=6, per_device_train_batch_size=6,
-                      gradient_accumulation_steps=1, max_completion_length=48, temperature=0.7,
+    return GRPOConfig(task="add_word", num_prompts=8, num_generations=4, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=1, max_completion_length=64, temperature=0.7,
                       prompt_template="{question}\nEnd with the final answer as <answer>NUMBER</answer>.",
                       reward_weights=[1.0, 0.5], learning_rate=1e-5, lr_scheduler_type="constant",
                       max_steps=steps, seed=3, speculative=speculative, spec_threshold=threshold, spec_depths=[2, 4],
@@ -45,7 +45,7 @@ def _backward(policy: torch.nn.Module, batch: Any, cfg: Any) -> float:
 
 
 def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None, *, speculative: str = "auto",
-              steps: int = 2, threshold: int = 3) -> dict[str, Any]:
+              steps: int = 2, threshold: int = 2) -> dict[str, Any]:
     """`steps` GRPO steps on a copy of `model` with adaptive speculative rollouts, printed to `out`
     (stdout); returns the last step's metrics and the run's seconds."""
     from reclaim.engine.engine import Engine
@@ -60,9 +60,12 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     prompts = [encode_chat(tokenizer, r["prompt"]) for r in rows]
     funcs = [load_reward(name) for name in cfg.reward_funcs]
     policy = copy.deepcopy(model).train()  # trained here; the caller's model stays as it was
-    engine = Engine(copy.deepcopy(model).eval(), tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
-                    max_model_len=max(map(len, prompts)) + cfg.max_completion_length)
     runner = rollout_runner(cfg)
+    # The drafter is built with the engine so that it sees every sequence from its prefill on: one
+    # first made in the tail has no hidden states of the sequences running and cannot draft for them.
+    engine = Engine(copy.deepcopy(model).eval(), tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
+                    max_model_len=max(map(len, prompts)) + cfg.max_completion_length,
+                    speculative=next(a for a in runner.bandit.arms if a is not None))
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
     eos = set(engine.eos_token_ids)
     spec = cfg.speculative if cfg.speculative != "eagle" else "eagle (the default model's drafter)"

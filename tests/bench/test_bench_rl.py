@@ -32,6 +32,7 @@ def _check(result, arms):
         # Per-request seeds + lossless speculation: the same sampled completions in every reclaim arm.
         assert all(a == a.split("/")[0] + "/" + a.split("/")[0] for a in result["arms"][name]["identical_completions"])
         assert result["greedy_identical_to_plain"][name] == "2/2"
+        assert result["greedy_identical_to_plain"]["verifies"][name] > 0  # drafts were verified
     s = result["summary"]
     assert s["plain"]["step_speedup_vs_plain"] == pytest.approx(1.0)
     assert {"tail_throughput_2x_vs_plain", "step_time_1.5x_vs_plain", "step_time_3x_vs_trl"} <= set(s["goals"])
