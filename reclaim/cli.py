@@ -60,6 +60,9 @@ SPEC_BATCH_OPT = typer.Option(None, "--spec-max-batch", help="Speculation turns 
                               "sequences (default 4).")
 SPEC_TOPK_OPT = typer.Option(None, "--eagle-topk", help="eagle: branches per draft node; > 1 drafts a tree.")
 SPEC_TREE_OPT = typer.Option(None, "--num-draft-tokens", help="eagle tree: tokens verified per step.")
+SPEC_FIXED_OPT = typer.Option(False, "--spec-fixed-depth", help="Draft the full depth every step. Default: each "
+                              "request's depth follows its own acceptance (one the drafter keeps missing "
+                              "decodes plainly, probed now and then).")
 
 
 def _speculative(spec: str | None, model: str | None, **fields: int | None):
@@ -76,7 +79,8 @@ def _speculative(spec: str | None, model: str | None, **fields: int | None):
     try:
         return parse_speculative(spec, num_speculative_tokens=fields.get("num_speculative_tokens"),
                                  max_batch=fields.get("max_batch"), eagle_topk=fields.get("eagle_topk"),
-                                 num_draft_tokens=fields.get("num_draft_tokens"))
+                                 num_draft_tokens=fields.get("num_draft_tokens"),
+                                 dynamic_depth=False if fields.get("fixed_depth") else None)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 
@@ -141,6 +145,7 @@ def generate(
     num_speculative_tokens: int = SPEC_TOKENS_OPT,
     eagle_topk: int = SPEC_TOPK_OPT,
     num_draft_tokens: int = SPEC_TREE_OPT,
+    spec_fixed_depth: bool = SPEC_FIXED_OPT,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout."""
     import sys
@@ -150,7 +155,7 @@ def generate(
 
     params = _sampling(max_tokens, temperature, top_p, seed)
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
-                        num_draft_tokens=num_draft_tokens)
+                        num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth)
     engine = _engine(model, dtype, kv_cache_memory, spec)
     ids = engine.tokenizer.encode(prompt) if raw else encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
     stream(engine, ids, params, sys.stdout)
@@ -169,6 +174,7 @@ def chat(
     num_speculative_tokens: int = SPEC_TOKENS_OPT,
     eagle_topk: int = SPEC_TOPK_OPT,
     num_draft_tokens: int = SPEC_TREE_OPT,
+    spec_fixed_depth: bool = SPEC_FIXED_OPT,
 ) -> None:
     """Chat on stdin: one message per line, replies streamed, history kept ('/reset' clears it)."""
     import sys
@@ -177,7 +183,7 @@ def chat(
 
     params = _sampling(max_tokens, temperature, top_p, seed)
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
-                        num_draft_tokens=num_draft_tokens)
+                        num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth)
     chat_loop(_engine(model, dtype, kv_cache_memory, spec), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
 
 
@@ -261,6 +267,7 @@ def serve(
     spec_max_batch: int = SPEC_BATCH_OPT,
     eagle_topk: int = SPEC_TOPK_OPT,
     num_draft_tokens: int = SPEC_TREE_OPT,
+    spec_fixed_depth: bool = SPEC_FIXED_OPT,
     learn: bool = typer.Option(False, "--learn", help="Learn from feedback while serving (POST /v1/feedback): "
                                "prompts recorded at prefill, trained between engine steps."),
     learn_config: str = typer.Option(None, "--config", help="With --learn: YAML file or bundled name of "
@@ -283,7 +290,7 @@ def serve(
                                  "give it once")
     model = model or model_opt
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, max_batch=spec_max_batch,
-                        eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens)
+                        eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth)
     learn_cfg = _learn_config(learn, learn_config, record=record, record_budget=record_budget,
                               record_host_budget=record_host_budget)
     _, _, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=max_num_seqs, device=device,
@@ -516,6 +523,7 @@ def bench_spec(
     tree_topk: int = typer.Option(4, help="eagle-tree: branches per node."),
     tree_tokens: int = typer.Option(8, help="eagle-tree: tokens verified per step."),
     spec_max_batch: int = typer.Option(4, help="Speculation turns off above this many running sequences."),
+    repeats: int = typer.Option(2, help="Interleaved runs of each method per point (median tokens/s)."),
     threads: int = typer.Option(1, help="torch threads."),
     out_dir: str = typer.Option("benchmarks", help="Where spec.json and spec.png go."),
 ) -> None:
@@ -525,7 +533,7 @@ def bench_spec(
     spec = SpecBenchSpec(model=model, drafter=drafter, batch_sizes=[int(b) for b in batch_sizes.split(",")],
                          temperatures=[float(t) for t in temperatures.split(",")], num_prompts=num_prompts,
                          max_tokens=max_tokens, depth=depth, tree_topk=tree_topk, tree_tokens=tree_tokens,
-                         spec_max_batch=spec_max_batch, threads=threads, out_dir=out_dir)
+                         spec_max_batch=spec_max_batch, repeats=repeats, threads=threads, out_dir=out_dir)
     main(spec)
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
 

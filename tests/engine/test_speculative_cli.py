@@ -32,7 +32,8 @@ def drafter_dir(tiny_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", [["generate", "Say hello twice: hello hello"], ["chat"]])
-@pytest.mark.parametrize("spec", ["ngram", "eagle:{d}", "eagle:{d} --eagle-topk 3 --num-draft-tokens 6"])
+@pytest.mark.parametrize("spec", ["ngram", "eagle:{d}", "eagle:{d} --eagle-topk 3 --num-draft-tokens 6",
+                                  "eagle:{d} --spec-fixed-depth"])
 def test_speculative_output_equals_plain(tiny_dir, drafter_dir, command, spec):
     base = [*command, "-m", tiny_dir, "--max-tokens", "24"]
     plain = CliRunner().invoke(app, base, input="Say hello twice: hello hello\n")
@@ -58,3 +59,10 @@ def test_drafter_for_another_model_is_refused(tiny_dir, tmp_path):
     path = save_drafter(new_drafter(other), tmp_path / "other")
     res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--speculative", f"eagle:{path}"])
     assert res.exit_code == 1 and "hidden_size=16 but the target has hidden_size=32" in res.output
+
+
+def test_spec_fixed_depth_turns_dynamic_depth_off():
+    from reclaim.cli import _speculative
+
+    assert _speculative("ngram", None).dynamic_depth is True
+    assert _speculative("ngram", None, fixed_depth=True).dynamic_depth is False
