@@ -52,3 +52,26 @@ def test_bad_mixes_and_values_are_refused():
         OnlineBenchSpec(requests=-1)
     with pytest.raises(ValueError, match="mix 0/8"):
         OnlineBenchSpec(mixes=[(0, 8)])
+
+
+def test_sharegpt_file_gives_the_mixes_and_the_stream(tmp_path, tiny_tokenizer):
+    from reclaim.bench.online import conversation_turns, mix_sample, request_stream
+    from reclaim.models.tokenizer import encode_chat
+
+    data = [{"conversations": [{"from": "human", "value": f"question {i} " * 6},
+                               {"from": "gpt", "value": f"answer {i} " * 9}]} for i in range(5)]
+    data.append({"conversations": [{"from": "gpt", "value": "no human turn first"}]})  # skipped
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    turns = conversation_turns(tiny_tokenizer, 7, sharegpt=str(path), scale=1.0, seed=0)
+    assert turns[5] == turns[0] and turns[4][0] == "question 4 " * 6  # the file's pairs, cycled
+    prompt, reply = mix_sample(tiny_tokenizer, turns, 60, 20)
+    last_turn = encode_chat(tiny_tokenizer, [{"role": "user", "content": turns[-1][0]}])
+    assert len(prompt) == 60 and len(reply) == 20 and len(last_turn) < 60
+    assert prompt[-len(last_turn):] == last_turn  # the history ends with the last question
+    reply_ids = tiny_tokenizer.encode(turns[-1][1], add_special_tokens=False)
+    assert reply[:len(reply_ids)] == reply_ids[:20]
+    spec = OnlineBenchSpec(sharegpt=str(path), requests=4, max_turns=2, rate=2.0)
+    stream = request_stream(tiny_tokenizer, spec, max_len=256)
+    assert len(stream) == 4 and [t for t, _, _ in stream] == sorted(t for t, _, _ in stream)
+    assert all(1 <= n and len(p) + n < 256 for _, p, n in stream)
