@@ -367,6 +367,7 @@ def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
         metrics.spec_verifies.set_total(verifies)
         metrics.spec_drafted.set_total(drafted)
         metrics.spec_accepted.set_total(accepted)
+        metrics.spec_plain.set_total(s.get("spec_plain_decodes", 0))
         metrics.spec_accept_rate.set(accepted / drafted if drafted else 0.0)
         metrics.spec_tau.set((accepted + verifies) / verifies if verifies else 0.0)
         if runner.learner is not None:

@@ -123,6 +123,8 @@ class ServerMetrics:
                                      "Speculative verifications (one per sequence per verifying forward).")
         self.spec_drafted = Counter("reclaim_spec_decode_num_draft_tokens_total", "Draft tokens proposed.")
         self.spec_accepted = Counter("reclaim_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self.spec_plain = Counter("reclaim_spec_decode_num_plain_decodes_total",
+                                  "Decodes that dynamic depth ran plainly (the drafter kept missing).")
         self.spec_accept_rate = Gauge("reclaim_spec_decode_acceptance_rate",
                                       "Accepted / proposed draft tokens so far.")
         self.spec_tau = Gauge("reclaim_spec_decode_mean_accepted_length",
