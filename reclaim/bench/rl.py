@@ -41,7 +41,8 @@ from reclaim.bench.meta import finish_metadata, run_metadata
 ARMS = ("plain", "static", "adaptive", "trl")
 # The per-step metrics the figures and the summary use (reclaim's log names; TRL's are mapped to them).
 STEP_KEYS = ("rollout_tokens_per_s", "rollout_s", "rollout_tail_s", "rollout_tail_tokens_per_s", "rollout_spec_tau",
-             "reward", "step_time", "train_s", "completions/mean_length", "completions/max_length")
+             "reward", "step_time", "train_s", "completions/mean_length", "completions/min_length",
+             "completions/max_length")
 
 
 @dataclass
