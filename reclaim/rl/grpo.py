@@ -451,14 +451,18 @@ def drafter_path(cfg: GRPOConfig) -> str:
     return path
 
 
+def speculative_arm(cfg: GRPOConfig, depth: int) -> SpeculativeConfig:
+    """The speculative config of depth `depth` for cfg.speculative (not 'none')."""
+    method = cfg.speculative.partition(":")[0]
+    return SpeculativeConfig(method=method, model=drafter_path(cfg) if method == "eagle" else None,
+                             num_speculative_tokens=depth, max_batch=cfg.spec_threshold)
+
+
 def rollout_runner(cfg: GRPOConfig, log: Callable[[dict[str, Any]], None] | None = None) -> AdaptiveRollout:
     """How rollouts decode: plain, or speculative in the tail with the config the bandit picks."""
     if cfg.speculative == "none":
         return AdaptiveRollout(None)
-    method = cfg.speculative.partition(":")[0]
-    path = drafter_path(cfg) if method == "eagle" else None
-    arms = [SpeculativeConfig(method=method, model=path, num_speculative_tokens=d, max_batch=cfg.spec_threshold)
-            for d in sorted(cfg.spec_depths)]
+    arms = [speculative_arm(cfg, d) for d in sorted(cfg.spec_depths)]
     arms = [None, *arms] if cfg.adaptive else arms[-1:]
     bandit = BucketedBandit(arms, buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.spec_threshold] or [1],
                             policy=cfg.bandit_policy, epsilon=cfg.bandit_epsilon, seed=cfg.seed)
@@ -692,8 +696,15 @@ def _open_engine(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, max_le
                                eval_depth=max(cfg.spec_depths))
         if last is not None and (last / "drafter").exists():
             online.load(last, served)
+    drafter = online.proposer(served) if online is not None else None
+    if drafter is None and cfg.speculative != "none":
+        # Built now, so it follows every sequence from its prefill; one made in the tail could not
+        # draft for sequences it has not seen.
+        from reclaim.engine.speculative import make_drafter
+
+        drafter = make_drafter(speculative_arm(cfg, max(cfg.spec_depths)), served)
     engine = Engine(served, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len, seed=cfg.seed,
-                    drafter=online.proposer(served) if online is not None else None)
+                    drafter=drafter)
     return engine, online
 
 

@@ -315,3 +315,19 @@ def test_speculative_rollouts_give_the_same_run(tiny_model_dir, tmp_path, one_th
 def test_bad_speculative_setting_is_refused():
     with pytest.raises(ValueError, match="speculative='medusa'"):
         GRPOConfig(speculative="medusa")
+
+
+def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_dir, tmp_path):
+    """The rollout engine is built with its EAGLE drafter, so the drafter follows every sequence
+    from its prefill; one made when the tail begins could not draft for the sequences in flight."""
+    from reclaim.engine.eagle import EagleProposer
+    from reclaim.models.drafter import new_drafter, save_drafter
+    from reclaim.models.loading import load_model
+    from reclaim.rl.grpo import _open_engine
+
+    target, tok = load_model(tiny_model_dir)
+    drafter = save_drafter(new_drafter(target), tmp_path / "drafter")
+    for spec, kind in ((f"eagle:{drafter}", EagleProposer), ("none", type(None))):
+        cfg = GRPOConfig(model=str(tiny_model_dir), speculative=spec, spec_depths=[3], adaptive=False)
+        engine, online = _open_engine(cfg, target, tok, 128, None)
+        assert isinstance(engine.drafter, kind) and online is None and engine.speculative is None
