@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import make_tokenizer, tiny_target  # at import: later, `conftest` is another directory's
 from reclaim.config import load_config
 from reclaim.rl.grpo import GRPOConfig, train
 
@@ -121,7 +122,6 @@ def _same_run(a: Path, b: Path, log_b: Path | None = None) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """The tiny float64 model, an untrained drafter for it, and the two-rank runs."""
-    from conftest import make_tokenizer, tiny_target
 
     from reclaim.models.drafter import new_drafter, save_drafter
     from reclaim.models.loading import save_model
