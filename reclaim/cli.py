@@ -191,12 +191,15 @@ def chat(
 def demo(
     max_tokens: int = typer.Option(64, help="Most tokens per answer."),
     ssm_steps: int = typer.Option(5, help="Adjoint training steps of the SSM part (0 skips it)."),
+    online_rounds: int = typer.Option(4, help="Feedback rounds of the online-learning part (0 skips it)."),
+    grpo_steps: int = typer.Option(1, help="GRPO steps of the RL part (0 skips it)."),
     speculative: str = typer.Option("auto", "--speculative", help="The speculative part: auto (eagle when the "
                                     "default drafter is cached, else ngram), eagle (trains and caches it on first "
                                     "use, about 2 min), ngram, eagle:PATH or none."),
 ) -> None:
     """The main job on the default model: batched generation, speculative decoding next to plain,
-    then a few exact-adjoint SSM steps."""
+    learning from feedback while serving, a GRPO step with adaptive speculative rollouts, then a
+    few exact-adjoint SSM steps."""
     from reclaim.engine.quickstart import demo as run_demo
     from reclaim.engine.quickstart import speculative_demo
     from reclaim.models.loading import load_model
@@ -215,6 +218,16 @@ def demo(
     if speculative != "none":
         typer.echo("\n== speculative decoding: the same prompt plain and speculative (lossless) ==")
         speculative_demo(model, tok, _speculative(speculative, None))
+    if online_rounds > 0:
+        from reclaim.online.demo import demo_online
+
+        typer.echo("\n== online learning while serving: feedback trains the model, reusing the prefill ==")
+        demo_online(model, tok, rounds=online_rounds)
+    if grpo_steps > 0:
+        from reclaim.rl.demo import demo_grpo
+
+        typer.echo("\n== GRPO with adaptive speculative rollouts (TLT) ==")
+        demo_grpo(model, tok, steps=grpo_steps)
     if ssm_steps > 0:
         from reclaim.ssm.train import demo_ssm
 

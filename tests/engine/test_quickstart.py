@@ -52,6 +52,7 @@ def test_demo_command_runs_with_no_drafter_cached(smol, tmp_path, monkeypatch):
     import reclaim.rl.drafter_trainer as dt
 
     monkeypatch.setattr(dt, "default_drafter_path", lambda: tmp_path / "no-drafter")
-    res = CliRunner().invoke(app, ["demo", "--max-tokens", "6", "--ssm-steps", "0"])
+    res = CliRunner().invoke(app, ["demo", "--max-tokens", "6", "--ssm-steps", "0", "--online-rounds", "0",
+                                   "--grpo-steps", "0"])
     assert res.exit_code == 0, res.output
     assert "no EAGLE drafter cached yet" in res.output and "same text as plain: True" in res.output
