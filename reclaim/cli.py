@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 app = typer.Typer(help="reclaim: post-training engine that turns wasted compute into training.",
@@ -624,6 +626,8 @@ def grpo(
     except (RewardError, ValueError, FileNotFoundError) as e:  # a bad reward, dataset, model or resume
         typer.echo(f"Error: {e}", err=True)
         raise typer.Exit(1) from e
+    if int(os.environ.get("RANK", 0)) != 0:
+        return  # under torchrun rank 0 reports (it also wrote the log)
     last = summary["last"] or {}
     typer.echo(f"step {summary['steps']}: reward {last.get('reward', float('nan')):.3f}, "
                f"step time {last.get('step_time', float('nan')):.1f} s; log {cfg.output_dir}/log.jsonl")
