@@ -21,7 +21,6 @@ token for token (the ShareGPT point: each request's first L_i tokens). Writes JS
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from reclaim.bench.meta import finish_metadata, run_metadata
+from reclaim.bench.meta import finish_metadata, run_metadata, write_result
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -328,8 +327,5 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(spec: EngineBenchSpec) -> dict[str, Any]:
     """Measure, write engine.json and engine.png under spec.out_dir."""
     result = measure(spec)
-    out = Path(spec.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "engine.png")
+    write_result(spec.out_dir, "engine", result, plot)
     return result

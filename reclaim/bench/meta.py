@@ -6,6 +6,7 @@ reproduced or compared, and on a shared CPU the load average says how much to tr
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def cpu_model() -> str:
@@ -87,6 +88,18 @@ def run_metadata(argv: list[str] | None = None) -> dict[str, Any]:
                      "transformers": hf_version},
         "git": git_state(),
     }
+
+
+def write_result(out_dir: str | Path, name: str, result: dict[str, Any],
+                 plot: Callable[[dict[str, Any], Path], None] | None = None) -> Path:
+    """Write out_dir/<name>.json (and out_dir/<name>.png through `plot(result, path)`); returns the JSON's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    if plot is not None:
+        plot(result, out / f"{name}.png")
+    return path
 
 
 def finish_metadata(meta: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,6 @@ user/assistant messages before a last user message, chat-templated.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -45,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from reclaim.bench.meta import finish_metadata, run_metadata
+from reclaim.bench.meta import finish_metadata, run_metadata, write_result
 from reclaim.online.recorder import record_prompt, recompute_loss, reuse_gradient_errors, reuse_loss
 
 MIXES = ((256, 256), (1024, 256), (2048, 512))
@@ -513,9 +512,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(spec: OnlineBenchSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    out = Path(spec.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    result = measure(spec, log, partial=lambda r: (out / "online.json").write_text(json.dumps(r, indent=2) + "\n"))
-    (out / "online.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "online.png")
+    result = measure(spec, log, partial=lambda r: write_result(spec.out_dir, "online", r))
+    write_result(spec.out_dir, "online", result, plot)
     return result

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from reclaim.bench.meta import finish_metadata, run_metadata
+from reclaim.bench.meta import finish_metadata, run_metadata, write_result
 
 ARMS = ("plain", "static", "adaptive", "trl")
 # The per-step metrics the figures and the summary use (reclaim's log names; TRL's are mapped to them).
@@ -383,11 +383,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(spec: RLBenchSpec) -> dict[str, Any]:
-    out = Path(spec.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     result = measure(spec)
-    (out / "rl.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "rl.png")
+    write_result(spec.out_dir, "rl", result, plot)
     return result
 
 
@@ -468,7 +465,5 @@ def held_out_accuracy(run_dir: str | Path, n: int = 100, threads: int | None = 1
               "sampled_reward_first_steps": statistics.mean(r["reward"] for r in log[:k]) if log else None,
               "sampled_reward_last_steps": statistics.mean(r["reward"] for r in log[-k:]) if log else None,
               "before": before, "after": after, "meta": finish_metadata(meta)}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rl-accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out_dir, "rl-accuracy", result)
     return result

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from reclaim.bench.meta import finish_metadata, run_metadata
+from reclaim.bench.meta import finish_metadata, run_metadata, write_result
 
 T = TypeVar("T")
 QUESTIONS = [
@@ -434,19 +434,27 @@ def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any
     return {"schema": schema, "max_tokens": spec.structured_max_tokens, "levels": levels}
 
 
-def run_structured(spec: ServeBenchSpec) -> dict:
-    """The structured-output point alone, with its own run metadata."""
+def _model_and_app(spec: ServeBenchSpec) -> tuple[Any, Any, Any, Any]:
+    """The model directory, reclaim's model and tokenizer, and the server app on them (threads set)."""
     from reclaim.models.loading import load_model, resolve_model_dir
-    from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
+    from reclaim.server.serve import EngineArgs, build_app
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    meta = run_metadata()
     model_dir = resolve_model_dir(spec.model)
     model, tokenizer = load_model(model_dir, device=spec.device)
-    name = model_dir.name
-    app, _, _ = build_app(model, tokenizer, (name,),
+    app, _, _ = build_app(model, tokenizer, (model_dir.name,),
                           EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device))
+    return model_dir, model, tokenizer, app
+
+
+def run_structured(spec: ServeBenchSpec) -> dict:
+    """The structured-output point alone, with its own run metadata."""
+    from reclaim.server.serve import BackgroundServer
+
+    model_dir, model, tokenizer, app = _model_and_app(spec)
+    meta = run_metadata()  # after the threads are set: it records them
+    name = model_dir.name
     server = BackgroundServer(app)
     try:
         asyncio.run(run_server_level(server.url, name, 1, 2, 4))  # warm-up
@@ -462,22 +470,16 @@ def run(spec: ServeBenchSpec) -> dict:
     """Each level's repeats against the server, the engine and transformers; then the gap point."""
     from reclaim.engine.engine import Engine
     from reclaim.models.hf import load_hf_model
-    from reclaim.models.loading import load_model, resolve_model_dir
     from reclaim.models.tokenizer import encode_chat
-    from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
+    from reclaim.server.serve import BackgroundServer
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    meta = run_metadata()
-    model_dir = resolve_model_dir(spec.model)
-    model, tokenizer = load_model(model_dir, device=spec.device)
+    model_dir, model, tokenizer, app = _model_and_app(spec)
+    meta = run_metadata()  # after the threads are set: it records them
     hf = load_hf_model(model_dir, device=spec.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     name = model_dir.name
     counts = {c: max(spec.min_requests, spec.requests_per_client * c) for c in spec.concurrency}
     prompts = [encode_chat(tokenizer, chat_messages(i)) for i in range(max(counts.values()))]
-    app, _, _ = build_app(model, tokenizer, (name,),
-                          EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device))
     server = BackgroundServer(app)
     engine = Engine(model, tokenizer, max_num_seqs=spec.max_num_seqs, device=spec.device)
     runs: dict[int, dict[str, list]] = {c: {"server": [], "engine": [], "hf_static": []}
@@ -617,7 +619,5 @@ def main(spec: ServeBenchSpec) -> dict:
         result["structured_output"] = run_structured(spec)
     else:
         result = run(spec)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "serve.png")
+    write_result(out, "serve", result, plot)
     return result

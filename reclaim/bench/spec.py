@@ -11,7 +11,6 @@ and its own prompt-lookup decoding (`prompt_lookup_num_tokens`) run as the outsi
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from reclaim.bench.meta import finish_metadata, run_metadata
+from reclaim.bench.meta import finish_metadata, run_metadata, write_result
 
 CHAT = [
     "Explain why the sky is blue in a short paragraph.",
@@ -223,9 +222,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(spec: SpecBenchSpec) -> dict[str, Any]:
-    out = Path(spec.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     result = measure(spec)
-    (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "spec.png")
+    write_result(spec.out_dir, "spec", result, plot)
     return result

@@ -244,6 +244,14 @@ def _draw(dist: torch.Tensor, generator: torch.Generator | None, fallback: torch
     return min(idx, int((dist > 0).nonzero().max()))
 
 
+def _follow(draft: list[int], target: list[int]) -> list[int]:
+    """The draft's tokens while they equal the target's choices, then the target's next choice."""
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return draft[:n] + [target[n]]
+
+
 def accept(
     logits: torch.Tensor,
     draft: Draft,
@@ -255,13 +263,7 @@ def accept(
     token and each draft token: the accepted prefix of the draft plus one token from the target."""
     n = len(draft.tokens)
     if params.greedy:
-        target = sanitize(logits[: n + 1]).argmax(-1).tolist()
-        out = []
-        for d, t in zip(draft.tokens, target):
-            if d != t:
-                break
-            out.append(d)
-        return out + [target[len(out)]]
+        return _follow(draft.tokens, sanitize(logits[: n + 1]).argmax(-1).tolist())
     p = probs(logits[: n + 1], [params] * (n + 1))
     out = []
     for i, d in enumerate(draft.tokens):
@@ -294,14 +296,7 @@ def _keyed_draws(logits: torch.Tensor, params: SamplingParams, first_position: i
 def accept_keyed(logits: torch.Tensor, draft: Draft, params: SamplingParams, position: int) -> list[int]:
     """Verify a chain for a seeded request: the tokens plain sampling draws at each position
     (keyed uniforms), kept while the draft agrees; identical to plain decoding's output."""
-    n = len(draft.tokens)
-    target = _keyed_draws(logits[: n + 1], params, position)
-    out = []
-    for d, t in zip(draft.tokens, target):
-        if d != t:
-            break
-        out.append(d)
-    return out + [target[len(out)]]
+    return _follow(draft.tokens, _keyed_draws(logits[: len(draft.tokens) + 1], params, position))
 
 
 def accept_tree_keyed(logits: torch.Tensor, draft: Draft, params: SamplingParams,

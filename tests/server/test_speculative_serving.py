@@ -52,4 +52,5 @@ def test_speculative_server_answers_as_plain_and_reports_acceptance():
     assert verifies > 0 and 0 < accepted <= drafted
     assert abs(value("reclaim_spec_decode_mean_accepted_length") - (accepted + verifies) / verifies) < 1e-6
     assert abs(value("reclaim_spec_decode_acceptance_rate") - accepted / drafted) < 1e-6
-    assert value("reclaim_spec_decode_num_plain_decodes_total") >= 0
+    assert "# TYPE reclaim_spec_decode_num_plain_decodes_total counter" in metrics
+    assert value("reclaim_spec_decode_num_plain_decodes_total") == int(value("reclaim_spec_decode_num_plain_decodes_total"))
