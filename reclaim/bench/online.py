@@ -249,8 +249,8 @@ def train_mix(model: torch.nn.Module, prompt: list[int], resp: list[int], repeat
         speedup=step / reuse, selective_speedup=step / med["selective_reuse_s"],
         planned_speedup=step / planned, ceiling=ceiling, of_ceiling=(step / reuse) / ceiling,
         record_slowdown_of_prefill=med["record_s"] / med["inference_prefill_s"],
-        planner=dict(action=decision.action, reason=decision.reason, reuse_s=decision.reuse_s,
-                     recompute_s=decision.recompute_s),
+        planner=dict(action=decision.action, reason=decision.reason, saved_s=decision.saved_s,
+                     cost_s=decision.cost_s),
         peak_train_bytes=dict(recompute=mem_recompute, reuse=mem_reuse, reuse_selective=mem_sel),
         trainable_tokens_under_budget=dict(recompute=budget_tokens(mem_recompute),
                                            reuse=budget_tokens(mem_reuse),
@@ -389,7 +389,9 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
                         if o.finished and j in give_feedback:
                             colocated.learner.feedback(key_of_request(o.request_id), 1)
                     colocated.after_step(step_s)
-            elif colocated is None or colocated.after_step(0.0) is None:
+            elif colocated is not None and colocated.busy:
+                colocated.after_step(0.0)  # idle: a short training slice
+            else:
                 time.sleep(max(0.0, min(0.01, stream[i][0] - now)) if i < len(stream) else 0.0)
         wall = time.perf_counter() - t0
         ttft = [first[j] - stream[j][0] for j in sorted(first)]
@@ -402,6 +404,7 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
         return out
     finally:
         if tmp is not None:
+            colocated.close()
             colocated.learner.log.close()
             tmp.cleanup()
 

@@ -3,10 +3,13 @@
 `Colocated` sits in the engine's loop (`reclaim serve --learn`). The engine runs a chosen
 request's prefill through `record` (the learner's autograd forward, kept for training), so the
 prompt is computed once for serving and training. Finished responses are logged so feedback can
-name them. Between engine steps it runs a training step when feedback is pending and either the
-engine is idle or training has used at most `max_ttft_slowdown` of the time serving did; the
-weights change in place on the served module, and the engine bumps its version, so every
-response reports the version that produced it.
+name them. Training runs in slices between engine steps (`TrainingSlices`: a step parks at the
+next layer boundary once its slice is spent): while the engine is busy, each engine step of
+t seconds earns training t * s seconds with s = max_ttft_slowdown, so serving is stretched by at
+most s; while it is idle, training runs in short slices that let a new request in
+within about one layer's work. The optimizer step changes the weights of the served module
+between two engine steps, and the engine bumps its version, so every response reports the
+version that produced it.
 
 Keys: the engine runs choice i of response R as request `R-i`; choice 0 is known as `R`, others
 as `R#i` (what POST /v1/feedback names with `choice_index`).
@@ -23,6 +26,7 @@ import torch
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import RequestOutput
 from reclaim.online.learner import OnlineLearner
+from reclaim.online.slices import TrainingSlices
 
 
 def response_key(response_id: str, choice_index: int = 0) -> str:
@@ -39,16 +43,22 @@ def key_of_request(request_id: str) -> str:
 class Colocated:
     """A learner trained between the steps of the engine that serves its model."""
 
-    def __init__(self, learner: OnlineLearner, engine: Engine, *, max_ttft_slowdown: float = 0.1) -> None:
+    def __init__(self, learner: OnlineLearner, engine: Engine, *, max_ttft_slowdown: float = 0.1,
+                 idle_slice_s: float = 0.02) -> None:
         if engine.model is not learner.model:
             raise ValueError("online learning trains the served module itself: give the learner the engine's model")
-        if max_ttft_slowdown < 0:
+        if not 0 <= max_ttft_slowdown:
             raise ValueError(f"max_ttft_slowdown={max_ttft_slowdown}; allowed: >= 0 (0.1 = 10%)")
+        if not idle_slice_s > 0:
+            raise ValueError(f"idle_slice_s={idle_slice_s}; allowed: > 0 seconds")
         self.learner, self.engine, self.max_slowdown = learner, engine, max_ttft_slowdown
+        self.idle_slice_s = idle_slice_s
         engine.recorder = self.record
         engine.weights_version = learner.version  # a resumed learner has trained already
-        self.serve_s = 0.0
-        self.train_s = 0.0
+        self.slices = TrainingSlices(learner.model, learner.train_step)
+        self.serve_s = 0.0  # engine steps' seconds
+        self.train_s = 0.0  # training slices' seconds, idle or not
+        self.credit_s = 0.0  # training time earned by busy engine steps, not yet used
         self.steps = 0
 
     def should_record(self, requested: bool) -> bool:
@@ -71,23 +81,49 @@ class Colocated:
             if out.finished and out.finish_reason in ("stop", "length") and out.token_ids is not None:
                 self.learner.on_response(key_of_request(out.request_id), out.prompt_token_ids, out.token_ids)
 
+    @property
+    def busy(self) -> bool:
+        """A training step is in progress or feedback is waiting for one."""
+        return self.slices.in_step or bool(self.learner.log.pending(limit=1))
+
     def after_step(self, seconds: float) -> dict[str, Any] | None:
-        """Train one step if feedback is pending and the schedule allows (the engine is idle, or
-        training has used at most max_ttft_slowdown of serving's time). Returns its log entry."""
+        """After an engine step of `seconds` (0 when the engine is idle): a training slice, if
+        training has work and time (the engine is idle, or busy steps have earned it). Returns
+        the log entry of a training step that finished in it."""
         self.serve_s += seconds
         idle = not self.engine.has_unfinished()
-        if not (idle or self.train_s <= self.max_slowdown * self.serve_s):
+        if not idle:  # a busy step of t seconds earns t * s: serving is stretched by at most s
+            self.credit_s = min(self.credit_s + seconds * self.max_slowdown, max(seconds, 0.1))
+        if not self.busy or not (idle or self.credit_s > 0):
             return None
-        if not self.learner.log.pending(limit=1):
-            return None
+        spent, entry = self._grant(self.idle_slice_s if idle else self.credit_s)
+        if not idle:
+            self.credit_s -= spent  # an overshoot past the slice is paid back by later steps
+        return entry
+
+    def train_now(self) -> dict[str, Any] | None:
+        """Run a training step to its end (or finish the one in progress); its log entry, or
+        None when no feedback is pending."""
+        return self._grant(float("inf"))[1] if self.busy else None
+
+    def _grant(self, seconds: float) -> tuple[float, dict[str, Any] | None]:
         t = time.perf_counter()
-        entry = self.learner.train_step()
-        self.train_s += time.perf_counter() - t
+        entry = self.slices.grant(seconds)
+        spent = time.perf_counter() - t
+        self.train_s += spent
         if entry is not None:
             self.steps += 1
             self.engine.weights_changed()
-        return entry
+        return spent, entry
+
+    def close(self) -> None:
+        """Stop training (a step in progress is abandoned; its feedback stays pending)."""
+        self.slices.close()
 
     def metrics(self) -> dict[str, float]:
-        return {**self.learner.metrics(), "train_seconds": self.train_s, "serve_seconds": self.serve_s,
-                "train_steps": self.steps}
+        """The learner's metrics, with training tokens/s over the slices' time (a step's wall
+        time includes the serving it waited for)."""
+        out = {**self.learner.metrics(), "train_seconds": self.train_s, "serve_seconds": self.serve_s,
+               "train_steps": self.steps, "train_slices": self.slices.slices}
+        out["train_tokens_per_s"] = out["train_tokens"] / self.train_s if self.train_s else 0.0
+        return out

@@ -55,7 +55,7 @@ def demo_online(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = Non
     for p in model.parameters():
         p.requires_grad_(True)
     tmp = tempfile.TemporaryDirectory(prefix="reclaim-demo-online-")
-    learner = None
+    learner = colocated = None
     try:
         prompt = encode_chat(tokenizer, [{"role": "user", "content": QUESTION}])
         held_out = encode_chat(tokenizer, [{"role": "user", "content": HELD_OUT}])
@@ -93,7 +93,7 @@ def demo_online(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = Non
         for i in range(rounds):
             served = serve(prompt, f"demo{i + 1}", record=True)  # prefill recorded with autograd
             learner.feedback(key_of_request(served.request_id), 1, text)  # POST /v1/feedback's call
-            entry = colocated.after_step(0.0)  # the engine is idle: a training step runs now
+            entry = colocated.train_now()  # the engine is idle: a training step runs now
             d = entry["decisions"][0]
             steps.append({"step": entry["step"], "loss": entry["loss"], "action": d["action"],
                           "reason": d["reason"], "seconds": entry["seconds"]})
@@ -113,6 +113,8 @@ def demo_online(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = Non
                 "logprob_before": before, "logprob_after": after, "steps": steps, **check,
                 "reused_steps": sum(s["action"] == "reuse" for s in steps), "seconds": seconds}
     finally:
+        if colocated is not None:
+            colocated.close()
         if learner is not None:
             learner.log.close()
         tmp.cleanup()

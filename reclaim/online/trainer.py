@@ -111,56 +111,62 @@ def record_policy(policy: str) -> Callable[[bool], bool]:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds of a training step for one sample, as lines in its prompt length, by each path:
-    recompute = a + b * P; reuse = c + d * P + reload_s_per_byte * (bytes on host)."""
+    """What reusing a sample's record saves and costs, in seconds. Reuse skips the prompt's
+    forward, forward_fixed_s + forward_s_per_token * P for P prompt tokens (the backward is the
+    same either way), and pays reuse_overhead_s (attaching the record) plus reload_s_per_byte
+    per byte of a record offloaded to host memory. The planner reuses when it saves more."""
 
-    recompute_fixed_s: float
-    recompute_s_per_token: float
-    reuse_fixed_s: float
-    reuse_s_per_token: float
+    forward_fixed_s: float
+    forward_s_per_token: float
+    reuse_overhead_s: float
     reload_s_per_byte: float
 
-    def recompute_s(self, prompt_tokens: int) -> float:
-        return self.recompute_fixed_s + self.recompute_s_per_token * prompt_tokens
+    def saved_s(self, prompt_tokens: int) -> float:
+        return self.forward_fixed_s + self.forward_s_per_token * prompt_tokens
 
-    def reuse_s(self, info: RecordInfo) -> float:
+    def cost_s(self, info: RecordInfo) -> float:
         reload = info.nbytes * self.reload_s_per_byte if info.where == "host" else 0.0
-        return self.reuse_fixed_s + self.reuse_s_per_token * info.prompt_tokens + reload
+        return self.reuse_overhead_s + reload
 
     @classmethod
     def fixed(cls, prefer: str) -> "CostModel":
         """A model that always prefers `prefer` ("reuse" or "recompute")."""
-        big = 1e9
-        return cls(0.0, 0.0, big, 0.0, 0.0) if prefer == "recompute" else cls(big, 0.0, 0.0, 0.0, 0.0)
+        return cls(1e9, 0.0, 0.0, 0.0) if prefer == "reuse" else cls(0.0, 0.0, 1e9, 0.0)
 
     @classmethod
-    def measure(cls, model: torch.nn.Module, prompt_tokens: Sequence[int] = (32, 128),
+    def measure(cls, model: torch.nn.Module, prompt_tokens: Sequence[int] = (64, 256),
                 response_tokens: int = 32, repeats: int = 2) -> "CostModel":
-        """Time both paths' forward + backward on `model` at two prompt lengths, and a host
-        reload; the best of `repeats` runs (the machine may be shared)."""
+        """Time on `model` the prompt's forward with autograd at two prompt lengths (the line
+        through them), the reuse overhead (a reused step less the recompute step without its
+        prompt forward) at the shorter, and a host reload; the best of `repeats` runs (the
+        machine may be shared)."""
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(0)
-        points = []
-        for p in prompt_tokens:
-            prompt = torch.randint(vocab, (p,), generator=g).tolist()
-            resp = torch.randint(vocab, (response_tokens,), generator=g).tolist()
-            rec_s, reuse_s = math.inf, math.inf
+
+        def best(fn: Callable[[object], object], setup: Callable[[], object] = lambda: None) -> float:
+            out = math.inf
             for _ in range(repeats):
                 model.zero_grad(set_to_none=True)
+                arg = setup()
                 t = time.perf_counter()
-                loss, _ = recompute_loss(model, [prompt], [resp])
-                loss.backward()
-                rec_s = min(rec_s, time.perf_counter() - t)
-                record = record_prompt(model, prompt, response_id="probe", version=0)
-                t = time.perf_counter()
-                loss, _ = reuse_loss(model, [record], [resp])
-                loss.backward()
-                reuse_s = min(reuse_s, time.perf_counter() - t)
-            points.append((p, rec_s, reuse_s))
+                fn(arg)
+                out = min(out, time.perf_counter() - t)
+            return out
+
+        forward = []
+        for p in prompt_tokens:
+            ids = torch.randint(vocab, (1, p), generator=g)
+            with torch.enable_grad():
+                forward.append(best(lambda _: model(ids, return_hidden=True, compute_logits=False)))
+        (p0, f0), (p1, f1) = (prompt_tokens[0], forward[0]), (prompt_tokens[-1], forward[-1])
+        slope = max((f1 - f0) / max(p1 - p0, 1), 0.0)
+        prompt = torch.randint(vocab, (p0,), generator=g).tolist()
+        resp = torch.randint(vocab, (response_tokens,), generator=g).tolist()
+        with torch.enable_grad():
+            recompute = best(lambda _: recompute_loss(model, [prompt], [resp])[0].backward())
+            reuse = best(lambda rec: reuse_loss(model, [rec], [resp])[0].backward(),
+                         lambda: record_prompt(model, prompt, response_id="probe", version=0))
         model.zero_grad(set_to_none=True)
-        (p0, r0, u0), (p1, r1, u1) = points[0], points[-1]
-        span = max(p1 - p0, 1)
-        rec_b, reuse_b = max((r1 - r0) / span, 0.0), max((u1 - u0) / span, 0.0)
         buf = torch.empty(4 << 20)  # 16 MiB
         dev = next(model.parameters()).device
         t = time.perf_counter()
@@ -168,7 +174,7 @@ class CostModel:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         per_byte = (time.perf_counter() - t) / buf.nbytes
-        return cls(max(r0 - rec_b * p0, 0.0), rec_b, max(u0 - reuse_b * p0, 0.0), reuse_b, per_byte)
+        return cls(max(f0 - slope * p0, 0.0), slope, max(reuse - (recompute - f0), 0.0), per_byte)
 
 
 @dataclass(frozen=True)
@@ -191,18 +197,18 @@ class Decision:
     action: str  # "reuse" | "recompute"
     reason: str
     prompt_tokens: int
-    reuse_s: float | None  # the cost model's estimates
-    recompute_s: float
+    saved_s: float  # the cost model's estimates: the prompt forward reuse skips,
+    cost_s: float | None  # and what reusing the record costs (None: no usable record)
 
 
 def plan(samples: Sequence[Sample], infos: Sequence[RecordInfo], version: int, max_staleness: int,
          cost: CostModel) -> list[Decision]:
-    """Per sample, reuse its record when it exists, is recent enough and is the cheaper path."""
+    """Per sample, reuse its record when it exists, is recent enough and saves more time than
+    it costs."""
     out = []
     for s, info in zip(samples, infos, strict=True):
         p = len(s.prompt_ids)
-        rec_s = cost.recompute_s(p)
-        d = Decision(s.feedback_id, s.response_id, "recompute", "", p, None, rec_s)
+        d = Decision(s.feedback_id, s.response_id, "recompute", "", p, cost.saved_s(p), None)
         if info.status != "present":
             d = replace(d, reason="no_record" if info.status == "missing" else info.status)
         elif info.prompt_tokens != p:
@@ -210,9 +216,8 @@ def plan(samples: Sequence[Sample], infos: Sequence[RecordInfo], version: int, m
         elif not 0 <= version - info.version <= max_staleness:
             d = replace(d, reason="stale")
         else:
-            use_s = cost.reuse_s(info)
-            d = replace(d, reuse_s=use_s)
-            if use_s >= rec_s:
+            d = replace(d, cost_s=cost.cost_s(info))
+            if d.cost_s >= d.saved_s:
                 d = replace(d, reason="cost")
             else:
                 d = replace(d, action="reuse",
@@ -239,9 +244,12 @@ class OnlineTrainer:
             cost = CostModel.measure(model) if cfg.cost_model == "measure" else CostModel.fixed(
                 cfg.cost_model)
         self.cost = cost
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # fused: one pass over the weights (7x faster on CPU), so the step holds serving up less
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in trainable)
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-            betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+            trainable, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay, fused=fused or None)
         self.step = 0  # optimizer steps taken; the weights version is the step
         self.counts: Counter[str] = Counter()
         self.out = Path(cfg.output_dir)

@@ -203,8 +203,9 @@ class EngineRunner:
         while not self._stop.is_set():
             self._wake.clear()
             if not engine.has_unfinished():
-                self._learn(0.0)
-                self._wake.wait(self.idle_wait_s)
+                self._learn(0.0)  # a short slice: a request arriving meanwhile waits for little
+                if self.learner is None or not self.learner.busy:
+                    self._wake.wait(self.idle_wait_s)
                 continue
             try:
                 t = time.perf_counter()
@@ -225,3 +226,5 @@ class EngineRunner:
             self._learn(step_s)
         # Leave the engine clean: anything still queued when stopping was aborted above.
         self.stats = dict(engine.stats())
+        if self.learner is not None:
+            self.learner.close()  # a training step in progress is abandoned, its feedback kept

@@ -34,22 +34,27 @@ def test_plan_says_why():
              RecordInfo("evicted"), RecordInfo("present", 4, "device", 1000, 10),
              RecordInfo("stale"), RecordInfo("present", 5, "host", 10**9, 10),
              RecordInfo("present", 5, "device", 1000, 9)]
-    cost = CostModel(recompute_fixed_s=0.1, recompute_s_per_token=0.01, reuse_fixed_s=0.1,
-                     reuse_s_per_token=0.0, reload_s_per_byte=1e-9)
+    cost = CostModel(forward_fixed_s=0.0, forward_s_per_token=0.01, reuse_overhead_s=0.05,
+                     reload_s_per_byte=1e-9)
     got = [(d.action, d.reason) for d in plan(samples, infos, 5, 0, cost)]
     assert got == [("reuse", "record"), ("recompute", "no_record"), ("recompute", "evicted"),
                    ("recompute", "stale"), ("recompute", "stale"),
-                   ("recompute", "cost"),  # 1 s to bring back 1 GB > 0.2 s to recompute
+                   ("recompute", "cost"),  # 1 s to bring back 1 GB > 0.1 s of prompt forward
                    ("recompute", "no_record")]  # a record of another prompt length
     assert plan(samples[3:4], infos[3:4], 5, 1, cost)[0].reason == "record_stale"
-    short = CostModel(0.0, 0.001, 0.05, 0.0, 0.0)  # short prompts: recomputing is cheaper
+    short = CostModel(0.0, 0.001, 0.05, 0.0)  # a 10-token forward saves less than attaching costs
     assert plan(samples[:1], infos[:1], 5, 0, short)[0].reason == "cost"
+    long = [Sample(0, "r0", [3] * 100, [4] * 3)]  # the same model: 100 tokens' forward pays
+    assert plan(long, [RecordInfo("present", 5, "device", 1000, 100)], 5, 0, short)[0].action == "reuse"
 
 
 def test_cost_model_is_measured_on_the_model():
-    cost = CostModel.measure(tiny_model(), prompt_tokens=(8, 32), response_tokens=8, repeats=1)
-    assert cost.recompute_s(32) > 0 and cost.reload_s_per_byte > 0
-    assert cost.reuse_s(RecordInfo("present", 0, "device", 1000, 32)) >= 0
+    model = tiny_model()
+    cost = CostModel.measure(model, prompt_tokens=(8, 32), response_tokens=8, repeats=1)
+    assert cost.saved_s(32) > 0 and cost.reload_s_per_byte > 0 and cost.reuse_overhead_s >= 0
+    assert cost.cost_s(RecordInfo("present", 0, "host", 10**6, 32)) > cost.cost_s(
+        RecordInfo("present", 0, "device", 10**6, 32))
+    assert all(p.grad is None for p in model.parameters())  # measuring leaves no gradients
 
 
 def make_log(path, n, prompt_len=8):

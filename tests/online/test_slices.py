@@ -1,0 +1,110 @@
+"""Training in slices between serving steps: a step cut at every layer boundary ends with the same
+weights as one run whole, serving between its slices sees the old weights throughout, closing
+abandons a parked step with its feedback still pending, and the co-location schedule gives a
+busy engine's time to training only as max_ttft_slowdown allows."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_model, token_lists
+
+from reclaim.online.colocate import Colocated
+from reclaim.online.learner import OnlineLearner
+from reclaim.online.slices import TrainingSlices
+from reclaim.online.trainer import CostModel, OnlineTrainConfig
+
+
+def learner_with_feedback(tmp_path, name: str, n: int = 2) -> OnlineLearner:
+    cfg = OnlineTrainConfig(output_dir=str(tmp_path / name), record="requested", save_steps=0,
+                            learning_rate=1e-2, per_device_train_batch_size=n)
+    learner = OnlineLearner(tiny_model(), cfg, tokenize=lambda s: [2 + ord(c) % 90 for c in s],
+                            cost=CostModel.fixed("reuse"))
+    for i, prompt in enumerate(token_lists([12, 7, 9][:n])):
+        if i == 0:
+            learner.record(prompt, f"r{i}")  # one sample reuses its record, the others recompute
+        learner.on_response(f"r{i}", prompt, [5, 6, 7])
+        learner.feedback(f"r{i}", 1, "a fixed answer")
+    return learner
+
+
+def weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_sliced_step_equals_a_whole_one_and_serving_sees_old_weights_until_its_end(tmp_path):
+    whole = learner_with_feedback(tmp_path, "whole")
+    whole.train_step()
+    sliced = learner_with_feedback(tmp_path, "sliced")
+    model = sliced.model
+    before = weights(model)
+    ids = torch.tensor([token_lists([10], seed=5)[0]])
+    with torch.inference_mode():
+        served_before = model(ids).logits
+    slices = TrainingSlices(model, sliced.train_step)
+    entry, grants = None, 0
+    while entry is None:
+        entry = slices.grant(0.0)  # a zero slice: park at every boundary
+        grants += 1
+        if entry is None:  # serving between two slices: the step's weights are not in yet
+            with torch.inference_mode():
+                assert torch.equal(model(ids).logits, served_before)
+            assert all(torch.equal(a, b) for a, b in zip(weights(model), before))
+    slices.close()
+    # 2 layers and the head parked in the forward of each path, and again in the backward
+    assert grants >= 2 * 3
+    assert [d["action"] for d in entry["decisions"]] == ["reuse", "recompute"]
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), weights(whole.model)))
+    assert not any(torch.equal(a, b) for a, b in zip(weights(model), before) if a.dim() == 2)
+    assert sliced.version == 1 and sliced.log.pending_count() == 0
+
+
+def test_close_abandons_a_parked_step_and_its_feedback_stays_pending(tmp_path):
+    learner = learner_with_feedback(tmp_path, "closed")
+    before = weights(learner.model)
+    slices = TrainingSlices(learner.model, learner.train_step)
+    assert slices.grant(0.0) is None and slices.in_step
+    slices.close()
+    assert not slices.in_step
+    assert learner.version == 0 and learner.log.pending_count() == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights(learner.model), before))
+    layers = learner.model.model.layers
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+    with pytest.raises(RuntimeError, match="closed"):
+        slices.grant(1.0)
+
+
+def test_a_failing_step_raises_in_the_serving_thread(tmp_path):
+    model = tiny_model()
+
+    def step():
+        model(torch.tensor([[3, 4, 5]]))
+        raise ValueError("broken batch")
+
+    slices = TrainingSlices(model, step)
+    with pytest.raises(ValueError, match="broken batch"):
+        while slices.grant(0.0) is None:
+            pass
+    assert not slices.in_step
+    slices.close()
+
+
+def test_a_busy_engine_lends_training_only_its_max_ttft_slowdown(tmp_path):
+    learner = learner_with_feedback(tmp_path, "colocated")
+    state = SimpleNamespace(unfinished=True, changed=0)
+    engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: state.unfinished,
+                             weights_changed=lambda: setattr(state, "changed", state.changed + 1))
+    strict = Colocated(learner, engine, max_ttft_slowdown=0.0)
+    assert strict.busy
+    for _ in range(5):  # no slowdown allowed: a busy engine never trains
+        assert strict.after_step(0.5) is None
+    assert strict.slices.slices == 0 and learner.version == 0
+    state.unfinished = False  # idle: short slices until the step ends
+    entry = None
+    while entry is None:
+        entry = strict.after_step(0.0)
+    assert learner.version == 1 and state.changed == 1 and engine.weights_version == 0
+    assert not strict.busy and strict.after_step(0.0) is None
+    strict.close()
