@@ -30,7 +30,7 @@ from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
 from reclaim.engine.speculative import (
-    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, accept, accept_keyed, accept_tree, accept_tree_keyed,
+    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, StepCosts, accept, accept_keyed, accept_tree, accept_tree_keyed,
     make_drafter,
 )
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
@@ -123,7 +123,8 @@ class Engine:
         self.speculative = speculative
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "plain_decodes": 0}
-        self.depths = self._depth_controller(speculative)
+        self.step_costs = StepCosts()  # decode steps' seconds by batch and draft tokens
+        self.depths = self._depth_controller(speculative, self.step_costs)
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
@@ -232,7 +233,13 @@ class Engine:
                 share(src, dst, n)
             if not sched.chunks:
                 return outputs
-            for rid, tokens, lps in self._execute(sched.chunks):
+            t0, drafted = time.perf_counter(), self.spec_stats["drafted"]
+            executed = self._execute(sched.chunks)
+            if self.depths is not None and not any(c.is_prefill for c in sched.chunks):
+                # the measured step costs the depths are chosen by (decode-only steps)
+                self.step_costs.observe(len(sched.chunks), self.spec_stats["drafted"] - drafted,
+                                          time.perf_counter() - t0)
+            for rid, tokens, lps in executed:
                 req = self._requests[rid]
                 if isinstance(tokens, Exception):
                     outputs.append(self._fail(req, tokens))
@@ -263,10 +270,11 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _depth_controller(spec: SpeculativeConfig | None) -> DepthController | None:
+    def _depth_controller(spec: SpeculativeConfig | None, costs: StepCosts) -> DepthController | None:
         if spec is None or not spec.dynamic_depth:
             return None
-        return DepthController(spec.num_speculative_tokens, spec.draft_overhead, spec.draft_token_cost)
+        return DepthController(spec.num_speculative_tokens, spec.draft_overhead, spec.draft_token_cost,
+                               costs=costs)
 
     def _lookahead(self, seq: Any) -> int:
         """Draft tokens to make room for after this decode: the config's, or with dynamic depth
@@ -276,7 +284,7 @@ class Engine:
             return 0
         if self.depths is None:
             return spec.lookahead
-        k = self.depths.depth(seq.request_id)
+        k = self.depths.depth(seq.request_id, len(self.scheduler.running))
         if k == 0:
             self.spec_stats["plain_decodes"] += 1
         return k if spec.eagle_topk == 1 else (spec.lookahead if k else 0)
@@ -573,7 +581,7 @@ class Engine:
                 self.drafter.topk, self.drafter.depth = config.eagle_topk, config.num_speculative_tokens
                 self.drafter.total = config.lookahead
             self.speculative = config
-            self.depths = self._depth_controller(config)
+            self.depths = self._depth_controller(config, self.step_costs)  # measured costs stay
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy new weights in between steps (the names of model.state_dict()); returns the new version.

@@ -99,33 +99,86 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+class StepCosts:
+    """What a decode step costs, measured on the engine's own steps: seconds as a line in its
+    sequences B and verified draft tokens X, s = a + b * B + c * X, fit by least squares over
+    decayed sums (the last few hundred steps count). Until the fit is determined (steps with
+    different B and X seen), `token_cost` answers None and the caller keeps its prior."""
+
+    def __init__(self, decay: float = 0.99, min_steps: int = 8) -> None:
+        self.decay, self.min_steps = decay, min_steps
+        self._xtx = torch.zeros(3, 3, dtype=torch.float64)
+        self._xty = torch.zeros(3, dtype=torch.float64)
+        self.steps = 0
+        self._fit: tuple[float, float, float] | None = None
+
+    def observe(self, batch: int, drafted: int, seconds: float) -> None:
+        """One decode-only step: `batch` sequences, `drafted` draft tokens verified with them."""
+        x = torch.tensor([1.0, batch, drafted], dtype=torch.float64)
+        self._xtx = self.decay * self._xtx + torch.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
+        self.steps += 1
+        self._fit = None
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c) in seconds, or None while the steps seen do not determine them."""
+        if self._fit is None and self.steps >= self.min_steps:
+            scale = self._xtx.diagonal().sqrt().clamp_min(1e-12)
+            m = self._xtx / torch.outer(scale, scale)  # unit diagonal: a fair condition number
+            if torch.linalg.cond(m) < 1e6:
+                a, b, c = (torch.linalg.solve(m, self._xty / scale) / scale).tolist()
+                self._fit = (a, b, c)
+        return self._fit
+
+    def token_cost(self, batch: int) -> float | None:
+        """One more draft token of one of `batch` sequences, in plain steps of that sequence
+        (its 1/batch share of a plain step): c * batch / (a + b * batch); None if unknown."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        a, b, c = fit
+        plain = a + b * batch
+        return max(c, 0.0) * batch / plain if plain > 0 else None
+
+
 class DepthController:
     """Each running request's draft depth from its own acceptance: the k in 0..max_depth that
     maximises expected tokens per step cost, E(k) / (1 + overhead + k * token_cost) (k = 0:
-    plain decoding, cost 1). The acceptance estimate counts accepted tokens and first
-    rejections (the geometric model's maximum likelihood), decayed so it follows the text, with
-    half a prior acceptance and half a prior rejection. A request decoding plainly is probed with a
-    one-token draft every `probe_every` steps, so a drafter that starts hitting is noticed."""
+    plain decoding, cost 1). token_cost is measured (`costs`, a StepCosts the engine feeds)
+    at the batch size the step runs at, the prior until measured: verifying a token costs more
+    of a step as the batch grows, so depths shrink with it. The acceptance estimate counts
+    accepted tokens and first rejections (the geometric model's maximum likelihood), decayed so
+    it follows the text, with half a prior acceptance and half a prior rejection. A request
+    decoding plainly is probed with a one-token draft every `probe_every` steps, so a drafter
+    that starts hitting is noticed."""
 
     def __init__(self, max_depth: int, overhead: float, token_cost: float, *, decay: float = 0.9,
-                 probe_every: int = 8) -> None:
+                 probe_every: int = 8, costs: StepCosts | None = None) -> None:
         self.max_depth, self.overhead, self.token_cost = max_depth, overhead, token_cost
-        self.decay, self.probe_every = decay, probe_every
+        self.decay, self.probe_every, self.costs = decay, probe_every, costs
         self._stats: dict[str, list[float]] = {}  # request id -> [accepted, rejections, plain steps]
 
     def alpha(self, request_id: str) -> float:
         a, r, _ = self._stats.get(request_id, (0.0, 0.0, 0))
         return (a + 0.5) / (a + r + 1)
 
-    def best_depth(self, alpha: float) -> int:
+    def cost_per_token(self, batch: int = 1) -> float:
+        """A draft token's cost in plain steps at `batch` sequences: measured, else the prior."""
+        measured = self.costs.token_cost(batch) if self.costs is not None else None
+        return self.token_cost if measured is None else measured
+
+    def best_depth(self, alpha: float, batch: int = 1) -> int:
         """The depth with the most expected tokens per unit of cost (0 when none beats plain)."""
+        per_token = self.cost_per_token(batch)
+
         def rate(k: int) -> float:
-            return expected_tokens(alpha, k) / (1 + (self.overhead + k * self.token_cost if k else 0))
+            return expected_tokens(alpha, k) / (1 + (self.overhead + k * per_token if k else 0))
         return max(range(self.max_depth + 1), key=lambda k: (rate(k), -k))
 
-    def depth(self, request_id: str) -> int:
-        """This step's depth for the request (counts plain steps towards the next probe)."""
-        k = self.best_depth(self.alpha(request_id))
+    def depth(self, request_id: str, batch: int = 1) -> int:
+        """This step's depth for the request at `batch` running sequences (counts plain steps
+        towards the next probe)."""
+        k = self.best_depth(self.alpha(request_id), batch)
         if k:
             return k
         st = self._stats.setdefault(request_id, [0.0, 0.0, 0])

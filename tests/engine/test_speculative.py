@@ -273,6 +273,28 @@ def test_depth_controller_picks_the_depth_with_most_tokens_per_cost():
     assert dc.depth("hit") == 8
 
 
+def test_step_costs_fit_the_engines_steps_and_shrink_depths_as_the_batch_grows():
+    """Steps timed on a known line s = a + b*B + c*X are fit back exactly; nothing is claimed
+    before steps with different B and X determine the line; the measured cost of a draft token
+    grows with the batch (a plain step's fixed part is shared by more sequences), so the
+    controller drafts deep at batch 1 and stops at batch 16 for the same acceptance."""
+    from reclaim.engine.speculative import DepthController, StepCosts
+
+    a, b, c = 0.02, 0.004, 0.003
+    costs = StepCosts(min_steps=4)
+    for _ in range(10):  # plain steps at one batch size: B and X never vary
+        costs.observe(1, 0, a + b)
+    assert costs.token_cost(1) is None
+    for batch, drafted in [(1, 4), (1, 2), (4, 16), (4, 0), (16, 0), (16, 8), (2, 3)]:
+        costs.observe(batch, drafted, a + b * batch + c * drafted)
+    assert costs.fit() == pytest.approx((a, b, c), rel=1e-6)
+    assert costs.token_cost(1) == pytest.approx(c / (a + b))
+    assert costs.token_cost(16) == pytest.approx(16 * c / (a + 16 * b))
+    dc = DepthController(8, overhead=0.0, token_cost=0.05, costs=costs)
+    assert dc.best_depth(0.5, batch=1) == 2 and dc.best_depth(0.5, batch=16) == 0
+    assert DepthController(8, 0.0, 0.05).cost_per_token(16) == 0.05  # no measurements: the prior
+
+
 def test_dynamic_depth_stops_paying_for_a_drafter_that_misses(tiny):
     """A drafter whose tokens are never right: with dynamic depth most decodes run plain (its
     probes still verify now and then), with the same greedy output; without it, every decode
