@@ -419,7 +419,8 @@ def greedy_accuracy(model_dir: str | Path | None, cfg: Any, rows: list[dict[str,
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length))
     texts = [[{"role": "assistant", "content": o.text}] for o in outs]
-    acc = accuracy_reward(None, texts, None, answer=[r["answer"] for r in rows])
+    acc = accuracy_reward(None, texts, None, **{k: [r.get(k) for r in rows]  # rg tasks: their scorer's columns
+                                                for k in ("answer", "task", "entry", "task_config")})
     fmt = format_reward(None, texts, None)
     return {"model": str(model_dir), "prompts": len(rows), "accuracy": sum(acc) / len(acc),
             "format": sum(fmt) / len(fmt), "mean_length": statistics.mean(len(o.token_ids) for o in outs),

@@ -1,33 +1,44 @@
-"""Training prompts made here: chat questions and small reasoning tasks with known answers.
+"""Training prompts: chat questions, small reasoning tasks made here, and reasoning-gym's datasets.
 
-`reasoning-gym` is not installable here, so `tasks` draws reasoning-style problems from a few
-procedural families (arithmetic chains, word problems, number sequences, unit conversion,
-comparisons), each with its answer; `add_word` is an easy family for GRPO on a 135M model; `chat` fills templates of everyday requests with topics. Both
-are seeded and never repeat a prompt within one draw, so the first n prompts of a draw can train
-and the rest stay held out.
+`tasks` draws reasoning-style problems from a few procedural families made here (arithmetic chains,
+word problems, number sequences, unit conversion, comparisons), each with its answer; `add_word` is
+an easy family for GRPO on a 135M model; `chat` fills templates of everyday requests with topics.
+`rg:<dataset>` (several comma-separated: `rg:chain_sum,leg_counting`) draws from reasoning-gym's
+datasets (the optional extra `reclaim[tasks]`) with `reasoning_gym.create_dataset`; each such Task
+keeps reasoning-gym's entry and dataset options, so `rg_score` grades an answer with that dataset's
+own `score_answer`. All are seeded and never repeat a prompt within one draw, so the first n
+prompts of a draw can train and the rest stay held out.
 
     prompts = make_prompts("mixed", 128, seed=0)    # chat and tasks, alternating
+    prompts = make_prompts("rg:leg_counting", 128, seed=0)
 """
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 PROMPT_SOURCES = ("chat", "tasks", "mixed")
+RG_PREFIX = "rg:"  # a task or prompt source drawn from reasoning-gym: rg:<dataset>[,<dataset>...]
 
 
 @dataclass(frozen=True)
 class Task:
-    """A generated problem: the question put to the model and its answer."""
+    """A generated problem: the question put to the model and its answer. A reasoning-gym task
+    (family `rg:<dataset>`) also keeps its entry and the dataset's options, which its scorer needs."""
 
     question: str
     answer: str
     family: str
+    entry: dict[str, Any] | None = field(default=None, compare=False)
+    config: dict[str, Any] | None = field(default=None, compare=False)
 
 
 # ---- reasoning tasks ---------------------------------------------------------------------------
@@ -125,6 +136,87 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
     return _distinct((families[i % len(families)](r) for i in itertools.count()), n, key=lambda t: t.question)
 
 
+# ---- reasoning-gym datasets --------------------------------------------------------------------
+
+def _reasoning_gym() -> Any:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError(f"{RG_PREFIX}<dataset> needs reasoning-gym: pip install 'reclaim[tasks]' ({e})") from e
+    return reasoning_gym
+
+
+def rg_dataset_names() -> list[str]:
+    """Every dataset name reasoning-gym registers (what `rg:<dataset>` may name)."""
+    return sorted(_reasoning_gym().factory.DATASETS)
+
+
+def rg_names(source: str) -> list[str]:
+    """The reasoning-gym datasets `rg:a,b` names (an `rg:` on each name is allowed); unknown ones refused."""
+    if not source.startswith(RG_PREFIX):
+        raise ValueError(f"{source!r} does not name reasoning-gym datasets; write {RG_PREFIX}<dataset>[,<dataset>]")
+    names = [n.strip().removeprefix(RG_PREFIX).strip() for n in source[len(RG_PREFIX):].split(",") if n.strip()]
+    allowed = rg_dataset_names()
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        near = sorted({m for n in unknown for m in difflib.get_close_matches(n, allowed, n=3)})
+        examples = near or [n for n in ("basic_arithmetic", "chain_sum", "leg_counting", "gsm_symbolic") if n in allowed]
+        raise ValueError(f"unknown reasoning-gym dataset {unknown or source!r}; allowed: {len(allowed)} names such as "
+                         f"{', '.join(examples)} (all: python -c 'import reasoning_gym; "
+                         "print(sorted(reasoning_gym.factory.DATASETS))')")
+    return names
+
+
+@lru_cache(maxsize=64)
+def _rg_dataset(name: str, seed: int, size: int, options: str) -> Any:
+    rg = _reasoning_gym()
+    kwargs = json.loads(options)
+    config_cls = rg.factory.DATASETS[name][1]
+    allowed = sorted(f for f in config_cls.__dataclass_fields__ if f not in ("seed", "size"))
+    bad = sorted(set(kwargs) - set(allowed))
+    if bad:
+        raise ValueError(f"reasoning-gym dataset {name!r} has no option(s) {bad}; allowed: {allowed}")
+    try:
+        return rg.create_dataset(name, seed=seed, size=size, **kwargs)
+    except (AssertionError, TypeError, ValueError) as e:  # its configs validate with assert
+        raise ValueError(f"reasoning-gym dataset {name!r} refused options {kwargs}: {e or type(e).__name__}") from e
+
+
+def _options(config: Mapping[str, Any] | None) -> str:
+    return json.dumps(dict(config or {}), sort_keys=True)
+
+
+def rg_tasks(source: str, n: int, seed: int = 0, options: Mapping[str, Mapping[str, Any]] | None = None) -> list[Task]:
+    """`n` distinct tasks from the reasoning-gym datasets `source` names (`rg:a,b`), taking their
+    entries 0, 1, ... in turn, each dataset made with `seed` and its options in `options[name]`."""
+    names = rg_names(source)
+    unused = sorted(set(options or {}) - set(names))
+    if unused:
+        raise ValueError(f"options for reasoning-gym dataset(s) {unused}, which {source!r} does not name")
+    size = max(n, 1)
+    while True:  # an entry depends on (seed, index), not on the size: a bigger draw only adds entries
+        sets = [(name, _rg_dataset(name, seed, size, _options((options or {}).get(name)))) for name in names]
+        drawn = (Task(e["question"], str(e["answer"]), RG_PREFIX + name, e, dict((options or {}).get(name) or {}))
+                 for i in range(size) for name, d in sets for e in (d[i],))
+        out = _distinct(drawn, n, key=lambda t: t.question)
+        if len(out) == n or size >= 64 * max(n, 1):
+            break
+        size *= 4
+    if len(out) < n:
+        raise ValueError(f"{source!r} gave only {len(out)} distinct questions in {size} entries per dataset; {n} asked")
+    return out
+
+
+def rg_score(family: str, answer: str | None, entry: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> float:
+    """reasoning-gym's own grade (0..1) of `answer` for `entry` of dataset `family` (`rg:<dataset>`),
+    by the dataset made with the options the task was drawn with."""
+    names = rg_names(family)
+    if len(names) != 1:
+        raise ValueError(f"a task's family names one reasoning-gym dataset, got {family!r}")
+    name = names[0]
+    return float(_rg_dataset(name, 0, 1, _options(config)).score_answer(answer, dict(entry)))
+
+
 # ---- chat prompts ------------------------------------------------------------------------------
 
 CHAT_TEMPLATES = [
@@ -187,10 +279,11 @@ def chat_prompts(n: int, seed: int = 0) -> list[str]:
 # ---- one entry point ---------------------------------------------------------------------------
 
 def make_prompts(source: str, n: int, seed: int = 0) -> list[str]:
-    """`n` user prompts from `source`: "chat", "tasks", "mixed" (both, alternating), or a file
-    (one prompt per line, or JSON lines with a "prompt" field)."""
+    """`n` user prompts from `source`: "chat", "tasks", "mixed" (both, alternating), reasoning-gym's
+    datasets (`rg:<dataset>[,<dataset>]`) or a file (one prompt per line, or JSON lines with a "prompt" field)."""
     if n < 0:
         raise ValueError(f"number of prompts must be >= 0, got {n}")
+    check_source(source)
     if source == "chat":
         return chat_prompts(n, seed)
     if source == "tasks":
@@ -198,14 +291,23 @@ def make_prompts(source: str, n: int, seed: int = 0) -> list[str]:
     if source == "mixed":
         chat, task = chat_prompts((n + 1) // 2, seed), [t.question for t in tasks(n // 2, seed)]
         return [p for pair in zip(chat, task) for p in pair] + chat[len(task):]
+    if source.startswith(RG_PREFIX):
+        return [t.question for t in rg_tasks(source, n, seed)]
     path = Path(source).expanduser()
-    if not path.is_file():
-        raise ValueError(f"prompts {source!r} is neither one of {list(PROMPT_SOURCES)} nor a file")
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     out = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
     if len(out) < n:
         raise ValueError(f"prompts file {str(path)!r} has {len(out)} prompts; {n} are asked for")
     return out[:n]
+
+
+def check_source(source: str) -> None:
+    """Refuse a prompt source that is none of PROMPT_SOURCES, `rg:<dataset>` or a file."""
+    if source.startswith(RG_PREFIX):
+        rg_names(source)
+    elif source not in PROMPT_SOURCES and not Path(source).expanduser().is_file():
+        raise ValueError(f"prompts {source!r} is neither one of {list(PROMPT_SOURCES)}, "
+                         f"{RG_PREFIX}<reasoning-gym dataset>, nor a file")
 
 
 def _distinct(items: Iterator, n: int, key: Callable, max_tries: int = 100_000) -> list:

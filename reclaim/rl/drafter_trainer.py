@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from reclaim.data.tasks import PROMPT_SOURCES
+from reclaim.data.tasks import check_source
 from reclaim.engine.eagle import EagleProposer
 from reclaim.models.cache import DenseCache
 from reclaim.models.drafter import (
@@ -537,7 +537,7 @@ class DrafterTrainConfig:
     dtype: str = "float32"
     device: str = "cpu"
     # Data: the target's own answers to these prompts (chat template applied).
-    prompts: str = "mixed"  # chat | tasks | mixed | a file: one prompt per line or JSON lines {"prompt"}
+    prompts: str = "mixed"  # chat | tasks | mixed | rg:<reasoning-gym dataset> | a file: one prompt per line or JSON lines {"prompt"}
     num_prompts: int = 128
     eval_prompts: int = 16  # held out (drawn after the training prompts): greedy tau at the end
     max_new_tokens: int = 96
@@ -575,8 +575,7 @@ class DrafterTrainConfig:
     def __post_init__(self) -> None:
         if self.lr_scheduler_type not in SCHEDULES:
             raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(SCHEDULES)}")
-        if self.prompts not in PROMPT_SOURCES and not Path(self.prompts).expanduser().is_file():
-            raise ValueError(f"prompts {self.prompts!r} is neither one of {list(PROMPT_SOURCES)} nor a file")
+        check_source(self.prompts)
         for name in ("num_prompts", "max_new_tokens", "generation_batch_size", "buffer_tokens",
                      "max_steps", "per_device_train_batch_size", "max_batch_tokens", "logging_steps",
                      "num_speculative_tokens", "unroll_steps"):

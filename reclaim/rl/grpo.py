@@ -50,6 +50,7 @@ import torch
 
 from reclaim.checkpoints import CHECKPOINT_PREFIX, trim_log
 from reclaim.checkpoints import checkpoints as list_checkpoints
+from reclaim.data.tasks import RG_PREFIX, TASK_FAMILIES, rg_names, rg_tasks
 from reclaim.engine.speculative import SpeculativeConfig
 from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
@@ -76,7 +77,8 @@ class GRPOConfig:
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
-    task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, or "all"
+    task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, "all", or rg:<dataset>[,<dataset>]
+    task_config: dict[str, dict[str, Any]] | None = None  # rg tasks: options per dataset, {chain_sum: {max_terms: 2}}
     dataset: str | None = None  # JSON lines {"prompt": str | messages, "answer": ..., ...}; replaces task
     num_prompts: int = 512  # distinct training prompts drawn from the task(s)
     system_prompt: str | None = None
@@ -175,6 +177,11 @@ class GRPOConfig:
                              f"{self.reward_funcs}; give one weight per function")
         if self.dataset is None:
             task_names(self.task)  # an unknown task is refused now, not after the model loads
+            if self.task.startswith(RG_PREFIX):  # and so are options reasoning-gym refuses
+                rg_tasks(self.task, 1, self.seed, self.task_config)
+            elif self.task_config:
+                raise ValueError(f"task_config sets options of reasoning-gym datasets; task {self.task!r} names none "
+                                 f"(write task: {RG_PREFIX}<dataset>)")
         elif not Path(self.dataset).expanduser().is_file():
             raise ValueError(f"dataset {self.dataset!r} is not a file (JSON lines with 'prompt' and 'answer')")
         if self.speculative != "none":
@@ -219,20 +226,22 @@ class GRPOConfig:
 # ---- data --------------------------------------------------------------------------------------
 
 def task_names(task: str) -> list[str]:
-    """The task families `task` names ("all", one, or several comma-separated); unknown ones refused."""
-    from reclaim.data.tasks import TASK_FAMILIES
-
+    """The task families `task` names ("all", one, or several comma-separated; or reasoning-gym's
+    datasets, `rg:<dataset>[,<dataset>]`); unknown ones refused."""
+    if task.startswith(RG_PREFIX):
+        return [RG_PREFIX + n for n in rg_names(task)]
     names = list(TASK_FAMILIES) if task == ALL_TASKS else [t.strip() for t in task.split(",") if t.strip()]
     unknown = [t for t in names if t not in TASK_FAMILIES]
     if unknown or not names:
-        raise ValueError(f"unknown task {unknown or task!r}; allowed: {sorted(TASK_FAMILIES)} (comma-separated) "
-                         f"or {ALL_TASKS!r}")
+        raise ValueError(f"unknown task {unknown or task!r}; allowed: {sorted(TASK_FAMILIES)} (comma-separated), "
+                         f"{ALL_TASKS!r}, or {RG_PREFIX}<reasoning-gym dataset>")
     return names
 
 
 def build_dataset(cfg: GRPOConfig) -> list[dict[str, Any]]:
     """Rows {"prompt": messages, "answer", "task", "question", ...}: cfg.num_prompts distinct tasks
-    (families in turn, drawn from cfg.seed), or the rows of cfg.dataset."""
+    (families in turn, drawn from cfg.seed; reasoning-gym's rows add "entry" and "task_config" for
+    its scorer), or the rows of cfg.dataset."""
     if cfg.dataset is not None:
         rows = []
         for n, line in enumerate(Path(cfg.dataset).expanduser().read_text().splitlines(), 1):
@@ -246,8 +255,10 @@ def build_dataset(cfg: GRPOConfig) -> list[dict[str, Any]]:
         if not rows:
             raise ValueError(f"dataset {cfg.dataset!r} has no rows")
         return rows
-    from reclaim.data.tasks import TASK_FAMILIES
-
+    if cfg.task.startswith(RG_PREFIX):
+        return [{"prompt": _messages(cfg, t.question), "answer": t.answer, "task": t.family, "question": t.question,
+                 "entry": t.entry, "task_config": t.config}
+                for t in rg_tasks(cfg.task, cfg.num_prompts, cfg.seed, cfg.task_config)]
     r = random.Random(cfg.seed)
     families = task_names(cfg.task)
     rows, seen = [], set()

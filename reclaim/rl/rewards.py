@@ -5,7 +5,7 @@ one value per completion, None where it does not apply (as in TRL). Prompts and 
 as TRL passes them for a conversational dataset: each prompt a list of messages, each completion
 `[{"role": "assistant", "content": text}]`; `completion_ids` are the generated token ids. kwargs
 hold the dataset's other columns, one value per completion (`answer`, `task`, `question` for the
-procedural tasks), and `trainer_state` (`global_step`, `max_steps`).
+procedural tasks; reasoning-gym tasks add `entry` and `task_config`, which its scorer needs), and `trainer_state` (`global_step`, `max_steps`).
 
 `reward_funcs` in a config names each function: a built-in (`accuracy`, `format`), a dotted path
 (`mypkg.rewards.length_penalty`) or a file and a name (`rewards.py:length_penalty`).
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from reclaim.data.tasks import RG_PREFIX, rg_score
 
 RewardFunc = Callable[..., list]
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -60,12 +62,22 @@ def _normalize(answer: str) -> str:
 
 
 def accuracy_reward(prompts: list, completions: list, completion_ids: list, *, answer: Sequence[str],
-                    **kwargs: Any) -> list[float]:
-    """1.0 where the completion's final answer (see `extract_answer`) equals the task's, else 0.0."""
+                    task: Sequence[str | None] | None = None, entry: Sequence[dict | None] | None = None,
+                    task_config: Sequence[dict | None] | None = None, **kwargs: Any) -> list[float]:
+    """1.0 where the completion's final answer (see `extract_answer`) equals the task's, else 0.0;
+    for a reasoning-gym task (`task` rg:<dataset>, with its `entry`) that dataset's own score (0..1)."""
+    n = len(completions)
+    task, entry, task_config = task or [None] * n, entry or [None] * n, task_config or [None] * n
     out = []
-    for c, want in zip(completions, answer, strict=True):
+    for c, want, family, e, options in zip(completions, answer, task, entry, task_config, strict=True):
         got = extract_answer(completion_text(c))
-        out.append(float(got is not None and _normalize(got) == _normalize(str(want))))
+        if isinstance(family, str) and family.startswith(RG_PREFIX):
+            if not isinstance(e, dict):
+                raise ValueError(f"task {family!r} is scored by reasoning-gym, which needs the row's 'entry' "
+                                 f"(reasoning-gym's dict with question, answer, metadata), got {type(e).__name__}")
+            out.append(rg_score(family, got, e, options))
+        else:
+            out.append(float(got is not None and _normalize(got) == _normalize(str(want))))
     return out
 
 
