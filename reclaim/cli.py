@@ -533,6 +533,9 @@ def bench_spec(
     batch_sizes: str = typer.Option("1,4,16", help="Comma-separated most running sequences."),
     temperatures: str = typer.Option("0,0.7", help="Comma-separated sampling temperatures (0 = greedy)."),
     num_prompts: int = typer.Option(16, help="Prompts per point (batch 1 runs half): reasoning tasks and chat."),
+    tasks: str = typer.Option("rg:basic_arithmetic,chain_sum,leg_counting,letter_counting",
+                              help="Where the reasoning half of the prompts comes from (reasoning-gym "
+                              "datasets rg:<name>[,<name>], or tasks / a prompts file)."),
     max_tokens: int = typer.Option(64, help="Most tokens per prompt (stops at EOS)."),
     depth: int = typer.Option(4, help="Draft depth (num_speculative_tokens)."),
     tree_topk: int = typer.Option(4, help="eagle-tree: branches per node."),
@@ -547,7 +550,7 @@ def bench_spec(
 
     spec = SpecBenchSpec(model=model, drafter=drafter, batch_sizes=[int(b) for b in batch_sizes.split(",")],
                          temperatures=[float(t) for t in temperatures.split(",")], num_prompts=num_prompts,
-                         max_tokens=max_tokens, depth=depth, tree_topk=tree_topk, tree_tokens=tree_tokens,
+                         tasks=tasks, max_tokens=max_tokens, depth=depth, tree_topk=tree_topk, tree_tokens=tree_tokens,
                          spec_max_batch=spec_max_batch, repeats=repeats, threads=threads, out_dir=out_dir)
     main(spec)
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")

@@ -32,17 +32,12 @@ CHAT = [
 ]
 
 
-def reasoning_prompts(n: int, seed: int = 0) -> list[str]:
-    """Arithmetic word problems with a worked answer expected (reasoning-style outputs)."""
-    import random
+def reasoning_prompts(source: str, n: int, seed: int = 0) -> list[str]:
+    """`n` reasoning tasks of `source` (reasoning-gym datasets, `rg:<name>[,<name>]`), a worked
+    answer asked for."""
+    from reclaim.data.tasks import make_prompts
 
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
-        out.append(f"A shop sells {a} apples in the morning and {b} in the afternoon. Each apple costs "
-                   f"{c} dollars. How much money did the shop make? Think step by step.")
-    return out
+    return [q.strip() + " Think step by step." for q in make_prompts(source, n, seed)]
 
 
 @dataclass
@@ -54,6 +49,7 @@ class SpecBenchSpec:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
     num_prompts: int = 16  # batch 1 runs the first half
+    tasks: str = "rg:basic_arithmetic,chain_sum,leg_counting,letter_counting"  # half the prompts
     max_tokens: int = 64
     depth: int = 4
     tree_topk: int = 4
@@ -143,7 +139,7 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
         drafter = str(default_drafter_dir())
         drafter_seconds = time.perf_counter() - t
     half = spec.num_prompts // 2
-    texts = reasoning_prompts(half, spec.seed) + CHAT[: spec.num_prompts - half]
+    texts = reasoning_prompts(spec.tasks, half, spec.seed) + CHAT[: spec.num_prompts - half]
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in texts]
     prompts = [p for pair in zip(prompts[:half], prompts[half:]) for p in pair]  # mix kinds in every wave
     methods = _methods(spec, drafter)
