@@ -228,6 +228,13 @@ def plan(samples: Sequence[Sample], infos: Sequence[RecordInfo], version: int, m
 
 # ---- trainer ---------------------------------------------------------------------------------
 
+def adamw(params: list[torch.nn.Parameter], **kwargs: float | tuple[float, float]) -> torch.optim.AdamW:
+    """AdamW, fused where the parameters allow: one pass over the weights (7x faster than the
+    default on a CPU for SmolLM2), so the step that changes the served weights is short."""
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, fused=fused or None, **kwargs)
+
+
 class OnlineTrainer:
     """Trains `model` in place from a feedback log, reusing prompt records from a store."""
 
@@ -244,12 +251,9 @@ class OnlineTrainer:
             cost = CostModel.measure(model) if cfg.cost_model == "measure" else CostModel.fixed(
                 cfg.cost_model)
         self.cost = cost
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        # fused: one pass over the weights (7x faster on CPU), so the step holds serving up less
-        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in trainable)
-        self.optimizer = torch.optim.AdamW(
-            trainable, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-            weight_decay=cfg.weight_decay, fused=fused or None)
+        self.optimizer = adamw([p for p in model.parameters() if p.requires_grad],
+                               lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                               weight_decay=cfg.weight_decay)
         self.step = 0  # optimizer steps taken; the weights version is the step
         self.counts: Counter[str] = Counter()
         self.out = Path(cfg.output_dir)
