@@ -501,7 +501,7 @@ app.add_typer(drafter_app, name="drafter")
 def drafter_train(
     ctx: typer.Context,
     config: str = typer.Option(None, "--config", help="YAML file of DrafterTrainConfig fields, or a "
-                               "bundled config: drafter-smollm2, drafter-quick."),
+                               "bundled config: drafter-smollm2, drafter-smollm2-large."),
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
     """Train an EAGLE drafter on the target's hidden states over its own answers to chat prompts
