@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-PROMPT_SOURCES = ("chat", "tasks", "mixed")
+PROMPT_SOURCES = ("chat", "tasks", "mixed", "instruct")
 RG_PREFIX = "rg:"  # a task or prompt source drawn from reasoning-gym: rg:<dataset>[,<dataset>...]
 
 
@@ -276,14 +276,105 @@ def chat_prompts(n: int, seed: int = 0) -> list[str]:
     return _distinct(draw(), n, key=lambda s: s)
 
 
+# Broader requests than `chat`'s: many kinds of instruction (code, recipes, letters, lists,
+# comparisons, stories, rewriting, planning), each a template with one or two slots.
+INSTRUCT_KINDS: list[tuple[str, dict[str, list[str]]]] = [
+    ("Write a Python function that {code_task}.", {}),
+    ("Write a {lang} program that {code_task}, with a short explanation.", {}),
+    ("Explain what this does: `{snippet}`", {}),
+    ("What is the difference between {pair} in {lang}?", {}),
+    ("How do I {howto}? Give numbered steps.", {}),
+    ("Give me a recipe for {dish}.", {}),
+    ("List {k} {listable}, one per line.", {}),
+    ("Compare {a} and {b} in a short table.", {}),
+    ("Summarise the story of {story} in {k} sentences.", {}),
+    ("Write a short {genre} about {subject}.", {}),
+    ("Write an email to {whom} about {matter}.", {}),
+    ("Rewrite this sentence to sound more formal: \"{casual}\"", {}),
+    ("Translate into French: \"{casual}\"", {}),
+    ("Plan a {length} trip to {place}: what should I see each day?", {}),
+    ("Why does {phenomenon}? Answer in a paragraph.", {}),
+    ("What would happen if {whatif}?", {}),
+    ("Give me {k} ideas for {occasion}.", {}),
+    ("Describe {subject} to someone who has never seen it.", {}),
+    ("What are the rules of {game}?", {}),
+    ("Define {term} and give an example.", {}),
+]
+INSTRUCT_SLOTS: dict[str, list[str]] = {
+    "code_task": ["reverses a linked list", "counts the words in a file", "returns the n-th Fibonacci number",
+                  "merges two sorted lists", "removes duplicates from a list", "finds the largest number in a list",
+                  "converts Celsius to Fahrenheit", "checks whether a number is prime", "sorts a dictionary by value",
+                  "flattens a nested list", "parses a date string", "computes the average of a list",
+                  "finds the most common letter in a string", "validates an email address"],
+    "lang": ["Python", "JavaScript", "C", "Java", "Rust", "Go", "SQL", "Bash"],
+    "snippet": ["[x * x for x in range(5)]", "sorted(d, key=d.get)", "a, b = b, a", "' '.join(reversed(s.split()))",
+                "for i, x in enumerate(xs): print(i, x)", "set(a) & set(b)", "lambda x: x % 2 == 0"],
+    "pair": ["a class and an object", "a function and a method", "a stack and a queue", "an array and a set",
+             "compiling and interpreting", "a loop and recursion", "a string and a character"],
+    "howto": ["change a flat tyre", "set up a budget", "plant tomatoes", "write a cover letter",
+              "clean a laptop keyboard", "prepare for a job interview", "train for a 5 km run", "fold a paper crane",
+              "back up my phone", "make a paper airplane", "start a compost heap", "learn to juggle"],
+    "dish": ["pancakes", "tomato soup", "fried rice", "banana bread", "a green salad", "guacamole", "lentil curry",
+             "scrambled eggs", "pizza dough", "oatmeal cookies", "lemonade", "a vegetable omelette"],
+    "k": ["three", "four", "five", "six"],
+    "listable": ["fruits that are high in vitamin C", "famous painters", "board games for families",
+                 "ways to save energy at home", "countries in South America", "books for teenagers",
+                 "indoor plants that are easy to keep", "habits of good writers", "uses of vinegar"],
+    "a": ["tea", "cats", "trains", "summer", "e-books", "running", "solar power", "cities"],
+    "b": ["coffee", "dogs", "planes", "winter", "paper books", "swimming", "wind power", "the countryside"],
+    "story": ["Cinderella", "Hamlet", "The Odyssey", "Little Red Riding Hood", "Frankenstein",
+              "The Three Little Pigs", "Moby-Dick", "Snow White", "Macbeth", "Alice in Wonderland"],
+    "genre": ["poem", "story", "limerick", "song verse", "diary entry", "news report", "dialogue"],
+    "subject": ["a rainy morning", "the ocean", "a lost key", "a mountain village", "a robot learning to paint",
+                "the first day of school", "a snowstorm", "a busy market", "a lighthouse", "the night sky"],
+    "whom": ["my landlord", "a colleague", "my manager", "a customer", "my neighbour", "a teacher"],
+    "matter": ["a broken heater", "a missed deadline", "a schedule change", "a refund", "a noisy party",
+               "a thank-you for their help", "a meeting next week"],
+    "casual": ["hey, can you send me that file?", "we're gonna be late, sorry", "that movie was super good",
+               "I can't make it tomorrow", "thanks a lot for the help", "where's the nearest station?"],
+    "length": ["two-day", "three-day", "week-long", "weekend"],
+    "place": ["Rome", "Kyoto", "Lisbon", "New York", "Cape Town", "Istanbul", "Mexico City", "Prague"],
+    "phenomenon": ["ice float on water", "bread rise", "the moon change shape", "metal feel cold",
+                   "a rainbow appear after rain", "the ocean taste salty", "leaves change colour in autumn"],
+    "whatif": ["the Earth stopped spinning", "everyone spoke the same language", "there were no bees",
+               "cars could fly", "we had no internet for a week", "the moon were closer"],
+    "occasion": ["a birthday party", "a rainy weekend", "a team-building day", "a school science fair",
+                 "a picnic", "a small wedding"],
+    "game": ["chess", "tic-tac-toe", "volleyball", "poker", "checkers", "cricket", "sudoku"],
+    "term": ["photosynthesis", "inflation", "a metaphor", "an algorithm", "democracy", "friction",
+             "a prime number", "an ecosystem", "irony", "compound interest"],
+}
+
+
+def instruct_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` distinct requests of many kinds (INSTRUCT_KINDS with INSTRUCT_SLOTS filled at random)."""
+    r = random.Random(seed)
+
+    def draw() -> Iterator[str]:
+        while True:
+            template, _ = r.choice(INSTRUCT_KINDS)
+            yield template.format(**{k: r.choice(v) for k, v in INSTRUCT_SLOTS.items()})
+
+    return _distinct(draw(), n, key=lambda s: s)
+
+
 # ---- one entry point ---------------------------------------------------------------------------
 
 def make_prompts(source: str, n: int, seed: int = 0) -> list[str]:
-    """`n` user prompts from `source`: "chat", "tasks", "mixed" (both, alternating), reasoning-gym's
-    datasets (`rg:<dataset>[,<dataset>]`) or a file (one prompt per line, or JSON lines with a "prompt" field)."""
+    """`n` user prompts from `source`: "chat", "tasks", "mixed" (both, alternating), "instruct"
+    (many kinds of request), reasoning-gym's datasets (`rg:<dataset>[,<dataset>]`), a file (one
+    prompt per line, or JSON lines with a "prompt" field), or several of these joined by "+"
+    (taken in turn: "instruct+rg:chain_sum")."""
     if n < 0:
         raise ValueError(f"number of prompts must be >= 0, got {n}")
     check_source(source)
+    if "+" in source:
+        parts = source.split("+")
+        drawn = [make_prompts(part, (n - i + len(parts) - 1) // len(parts), seed)
+                 for i, part in enumerate(parts)]
+        return [p for group in itertools.zip_longest(*drawn) for p in group if p is not None]
+    if source == "instruct":
+        return instruct_prompts(n, seed)
     if source == "chat":
         return chat_prompts(n, seed)
     if source == "tasks":
@@ -302,8 +393,12 @@ def make_prompts(source: str, n: int, seed: int = 0) -> list[str]:
 
 
 def check_source(source: str) -> None:
-    """Refuse a prompt source that is none of PROMPT_SOURCES, `rg:<dataset>` or a file."""
-    if source.startswith(RG_PREFIX):
+    """Refuse a prompt source that is none of PROMPT_SOURCES, `rg:<dataset>`, a file, or several
+    of these joined by "+"."""
+    if "+" in source:
+        for part in source.split("+"):
+            check_source(part)
+    elif source.startswith(RG_PREFIX):
         rg_names(source)
     elif source not in PROMPT_SOURCES and not Path(source).expanduser().is_file():
         raise ValueError(f"prompts {source!r} is neither one of {list(PROMPT_SOURCES)}, "

@@ -105,3 +105,18 @@ def test_missing_reasoning_gym_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
     with pytest.raises(ImportError, match=r"needs reasoning-gym: pip install 'reclaim\[tasks\]'"):
         make_prompts("rg:leg_counting", 2)
+
+
+def test_sources_joined_by_plus_take_turns_and_instruct_prompts_are_distinct():
+    """"a+b" gives a's and b's own prompts (each drawn as if alone) in turn; "instruct" draws
+    distinct requests; an unknown part is refused by name."""
+    from reclaim.data.tasks import instruct_prompts
+
+    joined = make_prompts("instruct+rg:chain_sum+tasks", 7, seed=3)
+    assert joined[0::3] == make_prompts("instruct", 3, seed=3)
+    assert joined[1::3] == make_prompts("rg:chain_sum", 2, seed=3)
+    assert joined[2::3] == make_prompts("tasks", 2, seed=3)
+    many = instruct_prompts(400, seed=0)
+    assert len(set(many)) == 400 and instruct_prompts(400, seed=0) == many
+    with pytest.raises(ValueError, match="'nonsense'"):
+        make_prompts("instruct+nonsense", 4)
