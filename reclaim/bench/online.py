@@ -350,7 +350,8 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
 
         tmp = tempfile.TemporaryDirectory(prefix="reclaim-bench-online-")
         cfg = OnlineTrainConfig(output_dir=tmp.name, per_device_train_batch_size=spec.train_batch,
-                                learning_rate=spec.learning_rate, record="requested", save_steps=0)
+                                micro_batch_size=1, learning_rate=spec.learning_rate,
+                                record="requested", save_steps=0)
         learner = OnlineLearner(model, cfg, tokenize=lambda s: tokenizer.encode(s, add_special_tokens=False),
                                 cost=cost)
         colocated = Colocated(learner, engine, max_ttft_slowdown=spec.max_ttft_slowdown)

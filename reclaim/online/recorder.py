@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from reclaim.models.cache import DenseCache
 
 IGNORE = -100  # label of padded positions
+HEAD_ROWS = 128  # positions the head and its loss run over at a time
 
 
 class SavedTensor:
@@ -387,13 +388,24 @@ def reuse_loss(model: torch.nn.Module, records: Sequence[PromptRecord],
         cache = PrefixCache(records, lengths, t, model.config.sliding_window)
         hidden = model(ids, cache.positions, cache, return_hidden=True, compute_logits=False).hidden
         h = torch.cat([h, hidden], dim=1)
-    # one head over [last prompt position, response positions]: one weight-gradient product
-    # instead of a rank-1 one per sample (as slow as a full one on CPU)
-    logits = model.lm_head(h).float()
-    labels = _pad(responses, IGNORE, device)
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-    return loss, sum(len(resp) for resp in responses)
+    # the head over [last prompt position, response positions] of every sample at once: a few
+    # large weight-gradient products instead of a rank-1 one per sample (as slow as a full one on CPU)
+    return head_loss(model, h, _pad(responses, IGNORE, device)), sum(len(resp) for resp in responses)
+
+
+def head_loss(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+              rows: int = HEAD_ROWS) -> torch.Tensor:
+    """Summed cross-entropy of the head's logits at the labelled positions of `hidden` [B, T, H]
+    (labels [B, T], IGNORE where none), the head run over `rows` positions at a time: padding is
+    never scored, the logits of only one chunk are live beyond what backward keeps, and training
+    run in slices (online/slices.py) can stop between chunks of the head, forward and backward."""
+    keep = labels.flatten() != IGNORE
+    h, y = hidden.flatten(0, 1)[keep], labels.flatten()[keep]
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, len(y), rows):
+        logits = model.lm_head(h[i:i + rows]).float()
+        loss = loss + F.cross_entropy(logits, y[i:i + rows], reduction="sum")
+    return loss
 
 
 def recompute_loss(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
@@ -408,11 +420,9 @@ def recompute_loss(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     device = next(model.parameters()).device
     ids = _pad([list(p) + list(r) for p, r in zip(prompts, responses)], 0, device)
     at = _pad([range(len(p) - 1, len(p) + len(r) - 1) for p, r in zip(prompts, responses)], 0, device)
-    labels = _pad(responses, IGNORE, device)
-    logits = model(ids, logit_positions=at).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-    return loss, sum(len(r) for r in responses)
+    hidden = model(ids, return_hidden=True, compute_logits=False).hidden
+    hidden = torch.gather(hidden, 1, at[..., None].expand(-1, -1, hidden.shape[-1]))
+    return head_loss(model, hidden, _pad(responses, IGNORE, device)), sum(len(r) for r in responses)
 
 
 def reuse_gradient_errors(model: torch.nn.Module, prompt_ids: Sequence[int],

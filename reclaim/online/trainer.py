@@ -50,6 +50,9 @@ class OnlineTrainConfig:
     output_dir: str = "runs/online"
     feedback_db: str | None = None  # None: output_dir/feedback.db
     per_device_train_batch_size: int = 8
+    # samples per forward + backward within a step (0: the whole batch at once); 1 lets training
+    # that runs in slices beside serving stop between samples (smaller units, shorter waits)
+    micro_batch_size: int = 0
     learning_rate: float = 1e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -76,7 +79,7 @@ class OnlineTrainConfig:
         if self.per_device_train_batch_size < 1:
             raise ValueError(f"per_device_train_batch_size={self.per_device_train_batch_size}: "
                              "must be >= 1")
-        for name in ("save_steps", "max_staleness", "lora_r"):
+        for name in ("save_steps", "max_staleness", "lora_r", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.cost_model not in COST_MODELS:
@@ -309,15 +312,16 @@ class OnlineTrainer:
         tokens = sum(len(s.response_ids) for s in samples)
         self.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
+        mb = self.cfg.micro_batch_size or len(samples)
         with torch.enable_grad():
-            if reused:
-                part, _ = reuse_loss(self.model, [r for _, r in reused],
-                                     [s.response_ids for s, _ in reused])
+            for i in range(0, len(reused), mb):
+                part, _ = reuse_loss(self.model, [r for _, r in reused[i:i + mb]],
+                                     [s.response_ids for s, _ in reused[i:i + mb]])
                 (part / tokens).backward()
                 loss += part.item()
-            if recomputed:
-                part, _ = recompute_loss(self.model, [s.prompt_ids for s in recomputed],
-                                         [s.response_ids for s in recomputed])
+            for i in range(0, len(recomputed), mb):
+                part, _ = recompute_loss(self.model, [s.prompt_ids for s in recomputed[i:i + mb]],
+                                         [s.response_ids for s in recomputed[i:i + mb]])
                 (part / tokens).backward()
                 loss += part.item()
         if self.cfg.max_grad_norm:

@@ -197,3 +197,24 @@ def test_bad_input_names_the_problem():
     rec = record_prompt(model, [3, 4], response_id="r1", version=0)
     with pytest.raises(ValueError, match="response 'r1' is empty"):
         reuse_loss(model, [rec], [[]])
+
+
+def test_head_loss_in_chunks_equals_one_cross_entropy():
+    """The head run over a few positions at a time, padding skipped, gives the loss and gradient
+    of one cross-entropy over all logits with padding ignored (torch's, the oracle)."""
+    import torch.nn.functional as F
+
+    from reclaim.online.recorder import IGNORE, head_loss
+
+    model = tiny_model()
+    hidden = torch.randn(3, 5, model.config.hidden_size, requires_grad=True)
+    labels = torch.randint(0, model.config.vocab_size, (3, 5))
+    labels[1, 3:] = IGNORE
+    labels[2, 1:] = IGNORE
+    got = head_loss(model, hidden, labels, rows=2)
+    g_got = torch.autograd.grad(got, [hidden, model.lm_head.weight])
+    want = F.cross_entropy(model.lm_head(hidden).float().flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE, reduction="sum")
+    g_want = torch.autograd.grad(want, [hidden, model.lm_head.weight])
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    assert all(rel_err(a, b) <= 1e-6 for a, b in zip(g_got, g_want))

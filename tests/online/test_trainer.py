@@ -275,3 +275,22 @@ def test_record_policy():
     assert 400 < picked < 600
     with pytest.raises(ValueError, match="record='fraction:2'"):
         record_policy("fraction:2")
+
+
+def test_micro_batches_of_one_give_the_whole_batchs_gradient(tmp_path):
+    """A step run one sample per forward + backward (what co-located training uses) has the
+    gradient of the step run as one batch, reused and recomputed samples alike."""
+    whole = trainer(tmp_path, "whole", tiny_model(), RecordStore(), "reuse")
+    ones = trainer(tmp_path, "ones", tiny_model(), RecordStore(), "reuse", micro_batch_size=1)
+    for t in (whole, ones):
+        for i in range(4):
+            if i % 2 == 0:  # two reuse their records, two recompute
+                r = t.feedback.response(f"r{i}")
+                t.store.put(record_prompt(t.model, r.prompt_ids, response_id=f"r{i}", version=0))
+            t.feedback.append(f"r{i}", 1)
+    a, b = whole.train_step(), ones.train_step()
+    assert [d["action"] for d in a["decisions"]] == ["reuse", "recompute"] * 2
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert rel_err(grads(whole.model), grads(ones.model)) <= 1e-5  # fp32 summation order
+    with pytest.raises(ValueError, match="micro_batch_size=-1"):
+        OnlineTrainConfig(micro_batch_size=-1)
