@@ -7,7 +7,8 @@ name them. Training runs in slices between engine steps (`TrainingSlices`: a ste
 next layer boundary once its slice is spent): while the engine is busy, each engine step of
 t seconds earns training t * s seconds with s = max_ttft_slowdown, so serving is stretched by at
 most s; while it is idle, training runs in short slices that let a new request in
-within about one layer's work. The optimizer step changes the weights of the served module
+within about one layer's work. A step starts on a full batch of feedback (or one that waited
+max_feedback_wait_s), so steps are few and the records they reuse fresh. The optimizer step changes the weights of the served module
 between two engine steps, and the engine bumps its version, so every response reports the
 version that produced it.
 
@@ -44,15 +45,18 @@ class Colocated:
     """A learner trained between the steps of the engine that serves its model."""
 
     def __init__(self, learner: OnlineLearner, engine: Engine, *, max_ttft_slowdown: float = 0.1,
-                 idle_slice_s: float = 0.02) -> None:
+                 idle_slice_s: float = 0.02, max_feedback_wait_s: float = 30.0) -> None:
         if engine.model is not learner.model:
             raise ValueError("online learning trains the served module itself: give the learner the engine's model")
         if not 0 <= max_ttft_slowdown:
             raise ValueError(f"max_ttft_slowdown={max_ttft_slowdown}; allowed: >= 0 (0.1 = 10%)")
         if not idle_slice_s > 0:
             raise ValueError(f"idle_slice_s={idle_slice_s}; allowed: > 0 seconds")
+        if not max_feedback_wait_s >= 0:
+            raise ValueError(f"max_feedback_wait_s={max_feedback_wait_s}; allowed: >= 0 seconds")
         self.learner, self.engine, self.max_slowdown = learner, engine, max_ttft_slowdown
-        self.idle_slice_s = idle_slice_s
+        self.idle_slice_s, self.max_feedback_wait_s = idle_slice_s, max_feedback_wait_s
+        self._waiting_since: float | None = None  # when feedback started waiting for a step
         engine.recorder = self.record
         engine.weights_version = learner.version  # a resumed learner has trained already
         self.slices = TrainingSlices(learner.model, learner.train_step)
@@ -83,8 +87,24 @@ class Colocated:
 
     @property
     def busy(self) -> bool:
-        """A training step is in progress or feedback is waiting for one."""
-        return self.slices.in_step or bool(self.learner.log.pending(limit=1))
+        """A training step is in progress or ready to start (see `ready`)."""
+        return self.slices.in_step or self.ready
+
+    @property
+    def ready(self) -> bool:
+        """A step may start: a full batch of feedback is pending, or some has waited
+        max_feedback_wait_s. Steps wait for full batches because every step makes the records of
+        the requests in flight stale (made by the weights before it): fewer, fuller steps leave
+        more records exact to reuse."""
+        batch = self.learner.cfg.per_device_train_batch_size
+        n = len(self.learner.log.pending(limit=batch))
+        if n == 0:
+            self._waiting_since = None
+            return False
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return n >= batch or now - self._waiting_since >= self.max_feedback_wait_s
 
     def after_step(self, seconds: float) -> dict[str, Any] | None:
         """After an engine step of `seconds` (0 when the engine is idle): a training slice, if
@@ -102,11 +122,14 @@ class Colocated:
         return entry
 
     def train_now(self) -> dict[str, Any] | None:
-        """Run a training step to its end (or finish the one in progress); its log entry, or
-        None when no feedback is pending."""
-        return self._grant(float("inf"))[1] if self.busy else None
+        """Run a training step to its end (or finish the one in progress), full batch or not;
+        its log entry, or None when no feedback is pending."""
+        if not (self.slices.in_step or self.learner.log.pending(limit=1)):
+            return None
+        return self._grant(float("inf"))[1]
 
     def _grant(self, seconds: float) -> tuple[float, dict[str, Any] | None]:
+        self._waiting_since = None
         t = time.perf_counter()
         entry = self.slices.grant(seconds)
         spent = time.perf_counter() - t

@@ -108,3 +108,30 @@ def test_a_busy_engine_lends_training_only_its_max_ttft_slowdown(tmp_path):
     assert learner.version == 1 and state.changed == 1 and engine.weights_version == 0
     assert not strict.busy and strict.after_step(0.0) is None
     strict.close()
+
+
+def test_a_step_waits_for_a_full_batch_or_max_feedback_wait(tmp_path):
+    """Two feedback of a batch of three: no step starts (each step makes the records in flight
+    stale, so steps wait to be full); the third starts one; a partial batch that waited
+    max_feedback_wait_s starts one too."""
+    learner = learner_with_feedback(tmp_path, "batch", n=2)
+    learner.cfg.per_device_train_batch_size = 3
+    state = SimpleNamespace(unfinished=False, changed=0)
+    engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: state.unfinished,
+                             weights_changed=lambda: None)
+    patient = Colocated(learner, engine, max_feedback_wait_s=3600)
+    assert not patient.ready and patient.after_step(0.0) is None and patient.slices.slices == 0
+    prompt = token_lists([6], seed=9)[0]
+    learner.on_response("r2", prompt, [5, 6])
+    learner.feedback("r2", 1)
+    assert patient.ready
+    while patient.after_step(0.0) is None:
+        pass
+    assert learner.version == 1
+    patient.close()
+    learner.on_response("r3", prompt, [7, 8])
+    learner.feedback("r3", 1)
+    hurried = Colocated(learner, engine, max_feedback_wait_s=0.0)
+    assert hurried.ready
+    assert hurried.train_now()["feedback_ids"] == [4] and learner.version == 2
+    hurried.close()
