@@ -52,14 +52,18 @@ class Row:
     parents: list[int] | None = None
 
 
-def group_rows(rows: list[Row], max_waste: float = 0.25) -> list[list[int]]:
-    """Indices of `rows` split into forwards of similar length, so padding stays within `max_waste`."""
+def group_rows(rows: list[Row], max_waste: float = 0.25, forward_tokens: int = 8) -> list[list[int]]:
+    """Indices of `rows` split into forwards of similar length: a row joins the current forward
+    unless its padding would exceed `max_waste` of the work plus `forward_tokens`, what one more
+    forward costs in tokens (reading every weight again: a few tokens' worth on a CPU, far more on
+    a GPU). So a verify row of 2 tokens rides with decode rows of 1 instead of paying for a
+    forward of its own (measured on SmolLM2, 1 thread, batch 4: 0.22 s a step split, 0.16 s plain)."""
     groups: list[list[int]] = []
     cur: list[int] = []
     work = 0
     for i in sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids)):
         n = len(rows[i].token_ids)
-        if cur and (len(cur) + 1) * n > (1 + max_waste) * (work + n):
+        if cur and (len(cur) + 1) * n > (1 + max_waste) * (work + n) + forward_tokens:
             groups.append(cur)
             cur, work = [], 0
         cur.append(i)
