@@ -119,7 +119,7 @@ def test_a_step_waits_for_a_full_batch_or_max_feedback_wait(tmp_path):
     state = SimpleNamespace(unfinished=False, changed=0)
     engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: state.unfinished,
                              weights_changed=lambda: None)
-    patient = Colocated(learner, engine, max_feedback_wait_s=3600)
+    patient = Colocated(learner, engine, max_feedback_wait_s=3600)  # default 0: at once
     assert not patient.ready and patient.after_step(0.0) is None and patient.slices.slices == 0
     prompt = token_lists([6], seed=9)[0]
     learner.on_response("r2", prompt, [5, 6])
