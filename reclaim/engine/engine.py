@@ -30,7 +30,7 @@ from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
 from reclaim.engine.speculative import (
-    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, StepCosts, accept, accept_keyed, accept_tree, accept_tree_keyed,
+    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, SpecGate, StepCosts, accept, accept_keyed, accept_tree, accept_tree_keyed,
     make_drafter,
 )
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
@@ -124,6 +124,7 @@ class Engine:
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "plain_decodes": 0}
         self.step_costs = StepCosts()  # decode steps' seconds by batch and draft tokens
+        self.spec_gate = SpecGate()  # whether speculating pays, per batch size (dynamic depth)
         self.depths = self._depth_controller(speculative, self.step_costs)
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
@@ -224,7 +225,11 @@ class Engine:
         with self._step_lock:
             outputs = self._drain_inbox()
             spec = self.speculative
-            speculate = spec is not None and len(self.scheduler.running) <= spec.max_batch
+            batch = len(self.scheduler.running)
+            speculate = spec is not None and batch <= spec.max_batch
+            if speculate and self.depths is not None and not self.spec_gate.allow(batch):
+                speculate = False  # dynamic: speculation only at batch sizes where it pays
+                self.spec_stats["plain_decodes"] += batch
             sched = self.scheduler.schedule(self._lookahead if speculate else 0)
             self.last_schedule = sched
             self.num_preemptions += len(sched.preempted)
@@ -236,9 +241,11 @@ class Engine:
             t0, drafted = time.perf_counter(), self.spec_stats["drafted"]
             executed = self._execute(sched.chunks)
             if self.depths is not None and not any(c.is_prefill for c in sched.chunks):
-                # the measured step costs the depths are chosen by (decode-only steps)
-                self.step_costs.observe(len(sched.chunks), self.spec_stats["drafted"] - drafted,
-                                          time.perf_counter() - t0)
+                # what decode-only steps cost and yield: the depths and the gate go by them
+                seconds, drafted = time.perf_counter() - t0, self.spec_stats["drafted"] - drafted
+                self.step_costs.observe(len(sched.chunks), drafted, seconds)
+                committed = sum(len(t) for _, t, _ in executed if not isinstance(t, Exception))
+                self.spec_gate.update(len(sched.chunks), drafted > 0, committed, seconds)
             for rid, tokens, lps in executed:
                 req = self._requests[rid]
                 if isinstance(tokens, Exception):

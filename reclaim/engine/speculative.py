@@ -141,6 +141,35 @@ class StepCosts:
         return max(c, 0.0) * batch / plain if plain > 0 else None
 
 
+class SpecGate:
+    """Whether speculating pays at a batch size, judged by what it yields: per batch size, a
+    decayed mean of tokens committed per second over decode steps that verified drafts and over
+    steps that did not. Speculation stays on while its mean is at least plain's (or either is
+    not measured yet); the losing side still runs one step in `probe_every`, so a change (a
+    drafter that starts hitting, a batch that empties) is noticed. What TLT's bandit does per
+    batch bucket, with two arms, inside the engine."""
+
+    def __init__(self, probe_every: int = 16, decay: float = 0.8) -> None:
+        self.probe_every, self.decay = probe_every, decay
+        self._rate: dict[tuple[int, bool], float] = {}  # (batch, speculated) -> tokens/s
+        self._steps: dict[int, int] = {}
+
+    def allow(self, batch: int) -> bool:
+        """Speculate in this step at `batch` running sequences."""
+        spec, plain = self._rate.get((batch, True)), self._rate.get((batch, False))
+        n = self._steps[batch] = self._steps.get(batch, 0) + 1
+        better = spec is None or plain is None or spec >= plain
+        return better != (n % self.probe_every == 0)  # one probe of the other side in probe_every
+
+    def update(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome: `tokens` committed in `seconds`."""
+        if seconds <= 0:
+            return
+        key, rate = (batch, speculated), tokens / seconds
+        old = self._rate.get(key)
+        self._rate[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+
 class DepthController:
     """Each running request's draft depth from its own acceptance: the k in 0..max_depth that
     maximises expected tokens per step cost, E(k) / (1 + overhead + k * token_cost) (k = 0:

@@ -295,6 +295,26 @@ def test_step_costs_fit_the_engines_steps_and_shrink_depths_as_the_batch_grows()
     assert DepthController(8, 0.0, 0.05).cost_per_token(16) == 0.05  # no measurements: the prior
 
 
+def test_spec_gate_keeps_speculation_only_where_it_yields_more_tokens_per_second():
+    """At a batch size where speculative steps commit fewer tokens per second than plain ones
+    the gate turns speculation off, but for one probe step in probe_every; where they commit
+    more it keeps it on; batch sizes are judged apart."""
+    from reclaim.engine.speculative import SpecGate
+
+    gate = SpecGate(probe_every=4)
+    assert gate.allow(4)  # nothing measured: speculate
+    gate.update(4, True, tokens=6, seconds=0.3)  # 20 tok/s speculating
+    gate.update(4, False, tokens=4, seconds=0.16)  # 25 tok/s plain
+    gate.update(1, True, tokens=2, seconds=0.1)  # 20 tok/s speculating at batch 1
+    gate.update(1, False, tokens=1, seconds=0.08)  # 12.5 tok/s plain
+    at4 = [gate.allow(4) for _ in range(12)]
+    at1 = [gate.allow(1) for _ in range(12)]
+    assert at4.count(True) == 3 and at1.count(False) == 3  # the probes
+    for _ in range(20):  # the drafter starts hitting at batch 4: its rate overtakes plain's
+        gate.update(4, True, tokens=12, seconds=0.3)
+    assert [gate.allow(4) for _ in range(4)].count(True) == 3
+
+
 def test_dynamic_depth_stops_paying_for_a_drafter_that_misses(tiny):
     """A drafter whose tokens are never right: with dynamic depth most decodes run plain (its
     probes still verify now and then), with the same greedy output; without it, every decode

@@ -34,7 +34,9 @@ def test_speculative_server_answers_as_plain_and_reports_acceptance():
         want = _texts(plain.url)
     finally:
         plain.stop()
-    fast = start_server(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=4))
+    # fixed depth: every decode drafts, so the acceptance metrics have something to count
+    fast = start_server(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=4,
+                                                      dynamic_depth=False))
     try:
         assert _texts(fast.url) == want
         assert _texts(fast.url, stream=True) == want
