@@ -111,6 +111,7 @@ class StepCosts:
         self._xty = torch.zeros(3, dtype=torch.float64)
         self.steps = 0
         self._fit: tuple[float, float, float] | None = None
+        self._solved_at = -1  # steps seen when fit() last solved (determined or not)
 
     def observe(self, batch: int, drafted: int, seconds: float) -> None:
         """One decode-only step: `batch` sequences, `drafted` draft tokens verified with them."""
@@ -118,11 +119,12 @@ class StepCosts:
         self._xtx = self.decay * self._xtx + torch.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
         self.steps += 1
-        self._fit = None
 
     def fit(self) -> tuple[float, float, float] | None:
-        """(a, b, c) in seconds, or None while the steps seen do not determine them."""
-        if self._fit is None and self.steps >= self.min_steps:
+        """(a, b, c) in seconds, or None while the steps seen do not determine them (solved once
+        per new step: every speculating sequence asks each step)."""
+        if self._solved_at != self.steps and self.steps >= self.min_steps:
+            self._solved_at, self._fit = self.steps, None
             scale = self._xtx.diagonal().sqrt().clamp_min(1e-12)
             m = self._xtx / torch.outer(scale, scale)  # unit diagonal: a fair condition number
             if torch.linalg.cond(m) < 1e6:
