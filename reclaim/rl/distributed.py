@@ -2,15 +2,23 @@
 
 `World.start` reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK and starts a gloo (CPU) or NCCL
 (CUDA) group; without torchrun it is rank 0 of 1 and every collective is the identity, so one
-process is the N = 1 case of the same code. The policy is replicated: each rank holds the whole
-model and optimizer, gradients are summed with one all-reduce per optimizer step (DDP's
-arithmetic, done by hand because GRPO accumulates several micro-batches between reductions and
-the losses are already normalised to the global batch), and every rank then takes the same
-optimizer step, so the replicas never drift and any rank's state is the checkpoint.
+process is the N = 1 case of the same code.
+
+The policy trains under torch's DistributedDataParallel (`World.data_parallel`): each rank holds
+the whole model and optimizer, accumulates its micro-batches under `no_sync()` and DDP reduces
+the gradients once per optimizer step, while the last micro-batch's backward runs. DDP averages
+by default; GRPO's losses are already normalised to the global batch, so a comm hook sums
+instead, the arithmetic of one process accumulating every rank's micro-batches. Every rank then
+takes the same optimizer step, so the replicas never drift and the rollout engine reads full
+weights from the plain module (`.module`). DDP rather than FSDP2's `fully_shard` (which also runs
+on gloo): sharding the policy would make every rank all-gather the weights for its engine after
+each step, and the models GRPO trains here fit on each rank whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import time
 from collections.abc import Iterable
@@ -106,25 +114,21 @@ class World:
                 t.copy_(buf)
         return t
 
-    def sum_grads(self, params: Iterable[torch.nn.Parameter], bucket_numel: int = 1 << 24) -> None:
-        """Sum the parameters' gradients over ranks (a missing grad counts as 0): one all-reduce per
-        flat bucket of about bucket_numel elements, so the copy costs a bucket, not the model."""
+    def data_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The policy to train: `model` under DDP summing gradients over ranks (one process: itself).
+        Its `.module` is `model`, whose weights the optimizer updates."""
         if self.size == 1:
-            return
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket: list[torch.nn.Parameter] = []
-        for i, p in enumerate(params):
-            bucket.append(p)
-            if i + 1 == len(params) or sum(q.numel() for q in bucket) + params[i + 1].numel() > bucket_numel:
-                flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]))
-                offset = 0
-                for q in bucket:
-                    q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
-                    offset += q.numel()
-                bucket = []
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device] if self.device.type == "cuda" else None
+        # Buffers (RoPE frequencies) are computed alike on every rank: no broadcast before each
+        # forward. torch 2.13 renamed broadcast_buffers to forward_sync_buffers.
+        no_sync_buffers = {"forward_sync_buffers" if "forward_sync_buffers" in
+                           inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers": False}
+        ddp = DistributedDataParallel(model, device_ids=ids, **no_sync_buffers)
+        ddp.register_comm_hook(None, _sum_hook)
+        return ddp
 
     def signal_done(self) -> "DoneSignal":
         """Say this rank is done (non-blocking); the signal completes once every rank has said so."""
@@ -135,6 +139,22 @@ class World:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def accumulating(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Around a micro-batch's forward and backward: DDP's `no_sync()` unless it is the optimizer
+    step's last, so the gradients are reduced once per step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
+
+
+def _sum_hook(group, bucket):  # noqa: ANN001 - DDP refuses string annotations (this module's __future__)
+    """DDP comm hook: the bucket's gradients summed over ranks (DDP's own hook divides by the size)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class DoneSignal:

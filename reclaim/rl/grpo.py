@@ -19,15 +19,16 @@ gradient_accumulation_steps, its default):
    from them, no K/V of old weights reused).
 
 `reclaim grpo --config grpo-smollm2` runs it with a progress bar, output_dir/log.jsonl,
-checkpoint-{step}/ directories (HF layout + optimizer, scheduler, RNG, trainer_state.json, the
-online drafter) and --resume.
+checkpoint-{step}/ directories and --resume. A checkpoint is the policy in HF layout (for users
+and the engine), its trainer state (model, optimizer, scheduler) as a torch.distributed.checkpoint
+in dcp/, RNG, the rollout being iterated on, the online drafter, and trainer_state.json.
 
 `torchrun --nproc_per_node=N -m reclaim.cli grpo ...` runs N rollout workers: each rolls out a
 contiguous share of the step's prompts on its own engine (same per-completion seeds, so the
-completions are one process's), scores it, and the shares are gathered; the policy trains data
-parallel (distributed.py: replicas, gradients summed by one all-reduce), per_device_train_batch_size
-per rank as in TRL; rank 0 logs and writes checkpoints, which hold the whole state and so resume
-at any world size. With drafter_online (TLT) the EAGLE drafter learns from the rollouts' hidden
+completions are one process's), scores it, and the shares are gathered; the policy trains under
+DDP (distributed.py: gradients summed once per optimizer step), per_device_train_batch_size per
+rank as in TRL; rank 0 logs, every rank writes its share of the DCP checkpoint (output_dir must
+be one directory all ranks see), and --resume loads it at any world size. With drafter_online (TLT) the EAGLE drafter learns from the rollouts' hidden
 states on the workers that finished their share early (drafter_trainer.OnlineDrafter).
 """
 
@@ -40,6 +41,7 @@ import math
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +56,7 @@ from reclaim.data.tasks import RG_PREFIX, TASK_FAMILIES, rg_names, rg_tasks
 from reclaim.engine.speculative import SpeculativeConfig
 from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
-from reclaim.rl.distributed import World
+from reclaim.rl.distributed import World, accumulating
 from reclaim.rl.drafter_trainer import OnlineDrafter
 from reclaim.rl.rollout import AdaptiveRollout, RolloutStats
 from reclaim.schedule import SCHEDULES, lr_scheduler
@@ -614,17 +616,52 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     return list_checkpoints(output_dir, require="trainer_state.json")
 
 
+DCP_DIR = "dcp"  # checkpoint-{step}/dcp: the torch.distributed.checkpoint of model, optimizer, scheduler
+
+
+class TrainerState:
+    """What DCP saves and loads (torch.distributed.checkpoint's Stateful): the policy, the optimizer
+    (state dicts keyed by parameter name, as get_state_dict gives them, so any world size reads
+    them) and the LR scheduler."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+
+
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any, optimizer, scheduler,
-                    state: dict[str, Any], batch: RolloutBatch | None, online: OnlineDrafter | None = None) -> Path:
-    """checkpoint-{step}/: the policy (HF layout), optimizer, scheduler, RNG states, the rollout
-    still being trained on (num_iterations > 1), the online drafter (drafter/, drafter_state.pt)
-    and trainer_state.json (last), written atomically."""
+                    state: dict[str, Any], batch: RolloutBatch | None, online: OnlineDrafter | None = None,
+                    world: World | None = None) -> Path:
+    """checkpoint-{step}/: the policy (HF layout), dcp/ (TrainerState, every rank writing its share),
+    RNG states, the rollout still being trained on (num_iterations > 1), the online drafter
+    (drafter/, drafter_state.pt) and trainer_state.json (last). Every rank calls it; rank 0 builds
+    the directory under a temp name and renames it into place once all is written, so a crash
+    mid-save leaves the previous checkpoint the latest."""
+    import torch.distributed.checkpoint as dcp
+
     from reclaim.models.loading import atomic_dir, save_model
+
+    world = world or World()
+    trainer = {"trainer": TrainerState(model, optimizer, scheduler)}
+    path = out / f"{CHECKPOINT_PREFIX}{step}"
+    if not world.is_main:
+        _dcp(dcp.save, trainer, world.broadcast(None, src=0), world)
+        return path
 
     def write(tmp: Path) -> None:
         save_model(model, tokenizer, tmp)  # first, while tmp is empty (it replaces the directory)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        _dcp(dcp.save, trainer, world.broadcast(tmp / DCP_DIR, src=0), world)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng_state.pt")
         if batch is not None:
             torch.save(dataclasses.asdict(batch), tmp / "rollout.pt")
@@ -632,37 +669,61 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any
             online.save(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
-    return atomic_dir(out / f"{CHECKPOINT_PREFIX}{step}", write)
+    return atomic_dir(path, write)
+
+
+def load_trainer_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       scheduler: Any, world: World | None = None) -> None:
+    """Load the checkpoint's dcp/ into the policy, optimizer and scheduler (every rank calls it; the
+    world size may differ from the one that saved)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (checkpoint / DCP_DIR / ".metadata").is_file():
+        raise ValueError(f"{str(checkpoint)!r} has no {DCP_DIR}/.metadata (the torch.distributed.checkpoint of the "
+                         f"model, optimizer and scheduler); it was not written by this version of reclaim grpo, so "
+                         f"it cannot be resumed: start a fresh run (model: {str(checkpoint)!r} starts from its weights)")
+    _dcp(dcp.load, {"trainer": TrainerState(model, optimizer, scheduler)}, checkpoint / DCP_DIR, world or World())
+
+
+def _dcp(op: Callable, state: dict[str, Any], path: Path, world: World) -> None:
+    """dcp.save or dcp.load at `path`: collective over the ranks; one process runs it without a
+    process group, as it says in a warning silenced here, since that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        op(state, checkpoint_id=path, no_dist=world.size == 1)
 
 
 # ---- the trainer -------------------------------------------------------------------------------
 
 def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, world: World) -> dict[str, float]:
-    """This rank's micro-batches of the rollout, backward each, then the gradients summed over
-    ranks (no optimizer step). Each micro-batch's loss is normalised to the whole step (all
-    ranks' gradient_accumulation_steps * world.size micro-batches), so the sum is the step's."""
+    """This rank's micro-batches of the rollout through `model` (the DDP-wrapped policy under
+    torchrun), backward each; DDP sums the gradients over ranks during the last one's backward (no
+    optimizer step). Each micro-batch's loss is normalised to the whole step (all ranks'
+    gradient_accumulation_steps * world.size micro-batches), so the sum is the step's."""
     num_items = float(batch.mask.sum())
     totals: dict[str, float] = {}
     loss_sum = entropy_sum = 0.0
     device = next(model.parameters()).device
-    for idx in _micro_batches(batch, cfg, world):
+    micro = _micro_batches(batch, cfg, world)
+    for n, idx in enumerate(micro):
         comps = [batch.completion_ids[i] for i in idx]
         c = max(len(x) for x in comps)
-        logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature, entropy=True)
         pick = lambda t: None if t is None else t[idx, :c].to(device)  # noqa: E731
         mask = pick(batch.mask)
-        loss, sums = grpo_loss(logps.float(), batch.advantages[idx].to(device), mask, loss_type=cfg.loss_type,
-                               epsilon_low=cfg.epsilon_low, epsilon_high=cfg.upper_epsilon, beta=cfg.beta,
-                               old_logps=pick(batch.old_logps), ref_logps=pick(batch.ref_logps),
-                               use_bias_correction_kl=cfg.use_bias_correction_kl,
-                               max_completion_length=cfg.max_completion_length, num_items_in_batch=num_items,
-                               gradient_accumulation_steps=cfg.gradient_accumulation_steps * world.size)
-        loss.backward()
+        with accumulating(model, last=n == len(micro) - 1):
+            logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature,
+                                          entropy=True)
+            loss, sums = grpo_loss(logps.float(), batch.advantages[idx].to(device), mask, loss_type=cfg.loss_type,
+                                   epsilon_low=cfg.epsilon_low, epsilon_high=cfg.upper_epsilon, beta=cfg.beta,
+                                   old_logps=pick(batch.old_logps), ref_logps=pick(batch.ref_logps),
+                                   use_bias_correction_kl=cfg.use_bias_correction_kl,
+                                   max_completion_length=cfg.max_completion_length, num_items_in_batch=num_items,
+                                   gradient_accumulation_steps=cfg.gradient_accumulation_steps * world.size)
+            loss.backward()
         loss_sum += loss.item()
         entropy_sum += float((ent * mask).sum())
         for key, v in sums.items():
             totals[key] = totals.get(key, 0.0) + float(v)
-    world.sum_grads(model.parameters())
     keys = sorted(totals)
     summed = world.sum_(torch.tensor([loss_sum, entropy_sum, *(totals[k] for k in keys)], dtype=torch.float64))
     loss_sum, entropy_sum = summed[0].item(), summed[1].item()
@@ -764,6 +825,12 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     if max(len(p) for p in prompts) >= max_len:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room to generate within the "
                          f"model's {limit} positions; lower max_prompt_length")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
+    if last is not None:
+        load_trainer_state(last, model, opt, sched, world)
+    policy = world.data_parallel(model)  # trains; the engine and the checkpoints read `model`, its weights
     engine, online = _open_engine(cfg, model, tokenizer, max_len, last)
     eos = set(engine.eos_token_ids)
     decisions = out / ("spec_decisions.jsonl" if main else f"spec_decisions-rank{world.rank}.jsonl")
@@ -773,17 +840,11 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             f.write(json.dumps(d) + "\n")
 
     runner = rollout_runner(cfg, log=log_decision)
-
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
     step, history, window, batch = 0, [], [], None
     log_path, completions_log = out / "log.jsonl", out / "completions.jsonl"
     if last is not None:
         state = json.loads((last / "trainer_state.json").read_text())
         step, history, window = state["global_step"], state["log_history"], state["log_window"]
-        opt.load_state_dict(torch.load(last / "optimizer.pt"))
-        sched.load_state_dict(torch.load(last / "scheduler.pt"))
         rng = torch.load(last / "rng_state.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -821,7 +882,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             rec.update({k: v for k, v in batch.metrics.items() if not k.startswith(("rollout", "drafter/"))})
         opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter()
-        rec.update(_optimizer_step(model, batch, cfg, world))
+        rec.update(_optimizer_step(policy, batch, cfg, world))
         rec["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         rec["learning_rate"] = opt.param_groups[0]["lr"]
         opt.step()
@@ -848,11 +909,10 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
                      "log_window": window, "config": config_dict, "world_size": world.size}
             pending = batch if step % cfg.num_iterations else None
-            if main:
-                save_checkpoint(out, step, model, tokenizer, opt, sched, state, pending, online)
-                if cfg.save_total_limit:
-                    for old in checkpoints(out)[:-cfg.save_total_limit]:
-                        shutil.rmtree(old, ignore_errors=True)
+            save_checkpoint(out, step, model, tokenizer, opt, sched, state, pending, online, world)
+            if main and cfg.save_total_limit:
+                for old in checkpoints(out)[:-cfg.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
             world.barrier()  # every rank sees the checkpoint once any goes on
     bar.close()
     return {"steps": step, "last": history[-1] if history else None, "total_s": time.perf_counter() - t_start}

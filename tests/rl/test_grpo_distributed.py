@@ -1,12 +1,15 @@
 """GRPO under torchrun (2 gloo ranks) equals one process taking the same steps (float64).
 
 Each rank rolls out half of every step's prompts on its own engine with the seeds of their
-places in the whole rollout, and trains on half of the micro-batches; one process accumulating
-all of them (gradient_accumulation_steps doubled) must give the same completions, rewards,
-losses and weights. The plain run is cut after its step-2 checkpoint and resumed by the two
-ranks, and by one process; the drafter_online run (EAGLE speculation in the tail, the drafter
-trained on the ranks that finish early) must leave the policy exactly as plain rollouts do: the
-drafter may differ.
+places in the whole rollout, and trains on half of the micro-batches under DDP; one process
+accumulating all of them (gradient_accumulation_steps doubled) must give the same completions,
+rewards, losses and weights, and DDP must reduce once per optimizer step however many
+micro-batches a rank accumulates. The plain run is cut after its step-2 checkpoint and resumed
+by the two ranks, and by one process; a one-process run is resumed by two ranks (the trainer
+state is a torch.distributed.checkpoint, read at any world size); a crash mid-save leaves the
+previous checkpoint to resume from. The drafter_online run (EAGLE speculation in the tail, the
+drafter trained on the ranks that finish early) must leave the policy exactly as plain rollouts
+do: the drafter may differ.
 """
 
 from __future__ import annotations
@@ -47,15 +50,37 @@ def online(root: Path) -> dict:
     return {k: v.format(root=root) if isinstance(v, str) else v for k, v in ONLINE.items()}
 
 
+ACCUM = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}  # one process; per rank: 2
+
+
 def _worker(root: Path) -> None:
-    """One torchrun rank: the plain run to the end, then again from its step-2 checkpoint; the
-    online-drafter run."""
+    """One torchrun rank: the plain run to the end (counting DDP's gradient reductions), then again
+    from its step-2 checkpoint; the run of two micro-batches per rank and step; the one-process
+    run from its step-2 checkpoint; the online-drafter run."""
     import torch.distributed as dist
+
+    import reclaim.rl.distributed as distributed
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    reductions, hook = {}, distributed._sum_hook
+
+    def counted(run: str):
+        def count(group, bucket):  # noqa: ANN001 - DDP refuses string annotations
+            reductions[run] = reductions.get(run, 0) + 1
+            return hook(group, bucket)
+        return count
+
+    distributed._sum_hook = counted("plain")
     cfg = load_config(GRPOConfig, "grpo-tiny", fields(root, "plain", 2))
     train(cfg, progress=False)
+    distributed._sum_hook = counted("accum")
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, "accum", 2), **ACCUM,
+                                                "gradient_accumulation_steps": 2}), progress=False)
+    distributed._sum_hook = hook
+    (root / f"reductions-rank{dist.get_rank()}.json").write_text(json.dumps(reductions))
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, "one-to-two", 2), "resume_from_checkpoint": True}),
+          progress=False)
     if dist.get_rank() == 0:
         shutil.copy(root / "plain" / "log.jsonl", root / "plain-uninterrupted.jsonl")
         shutil.rmtree(root / "plain" / "checkpoint-3")
@@ -133,6 +158,14 @@ def runs(tmp_path_factory) -> Path:
     torch.manual_seed(1)
     save_drafter(new_drafter(model), root / "drafter")
     (root / "even.py").write_text(EVEN)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # a one-process run, cut after its step-2 checkpoint for the two ranks to resume
+        train(load_config(GRPOConfig, "grpo-tiny", fields(root, "solo", 1)), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    shutil.copytree(root / "solo", root / "one-to-two")
+    shutil.rmtree(root / "one-to-two" / "checkpoint-3")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -188,6 +221,83 @@ def test_an_idle_rank_trains_the_drafter_until_the_slowest_is_done(runs) -> None
     n = min(5, fast["steps"] // 2)
     if n:
         assert sum(fast["loss"][-n:]) < sum(fast["loss"][:n])
+
+
+def test_a_one_process_checkpoint_resumes_at_two_ranks(runs) -> None:
+    _same_run(runs / "solo", runs / "one-to-two")
+    assert (runs / "solo" / "completions.jsonl").read_text() == (runs / "one-to-two" / "completions.jsonl").read_text()
+    states = [json.loads((runs / "one-to-two" / f"checkpoint-{s}" / "trainer_state.json").read_text()) for s in (2, 3)]
+    assert [s["world_size"] for s in states] == [1, 2]
+
+
+def test_ddp_reduces_once_per_optimizer_step_however_many_micro_batches(runs, one_thread) -> None:
+    """Two micro-batches per rank (no_sync for the first) train as one process with four, and
+    DDP reduces as often as with one micro-batch per rank: once per step."""
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(runs, "accum-one", 1), **ACCUM}), progress=False)
+    _same_run(runs / "accum-one", runs / "accum")
+    for rank in (0, 1):
+        counts = json.loads((runs / f"reductions-rank{rank}.json").read_text())
+        assert counts["accum"] == counts["plain"] >= 3, counts  # 3 steps, each a bucket or more
+
+
+def test_a_checkpoint_holds_a_dcp_trainer_state_beside_an_hf_model(runs) -> None:
+    """checkpoint-{step}/ is an HF directory transformers loads, and dcp/ a torch.distributed
+    checkpoint (both ranks wrote a share) whose model is those same weights and whose optimizer
+    and scheduler are at the step."""
+    import warnings
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    ck = runs / "plain" / "checkpoint-3"
+    assert (ck / "dcp" / ".metadata").is_file() and len(list((ck / "dcp").glob("*.distcp"))) == 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        dcp_to_torch_save(ck / "dcp", runs / "plain-trainer.pt")
+    trainer = torch.load(runs / "plain-trainer.pt", weights_only=False)["trainer"]
+    hf = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float64).state_dict()
+    assert set(trainer["model"]) == set(hf)
+    for k, v in hf.items():
+        assert torch.equal(trainer["model"][k], v), k
+    assert set(trainer["optimizer"]["state"]) == set(hf)
+    assert {int(s["step"]) for s in trainer["optimizer"]["state"].values()} == {3}
+    assert trainer["scheduler"]["last_epoch"] == 3
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_to_resume(runs, one_thread, monkeypatch) -> None:
+    """The step-2 save dies after DCP wrote its files: checkpoint-1 stays the latest, and resuming
+    from it reproduces the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+
+    from reclaim.rl.grpo import checkpoints
+
+    save, calls = dcp.save, []
+
+    def dies_on_the_second(*args, **kw):
+        calls.append(1)
+        save(*args, **kw)
+        if len(calls) == 2:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", dies_on_the_second)
+    run = runs / "crash"
+    with pytest.raises(OSError, match="disk full"):
+        train(load_config(GRPOConfig, "grpo-tiny", fields(runs, "crash", 1)), progress=False)
+    monkeypatch.setattr(dcp, "save", save)
+    assert [p.name for p in run.iterdir() if p.name.startswith((".checkpoint", "checkpoint"))] == ["checkpoint-1"]
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(runs, "crash", 1), "resume_from_checkpoint": True}),
+          progress=False)
+    assert [p.name for p in checkpoints(run)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    _same_run(runs / "solo", run)
+
+
+def test_a_checkpoint_without_its_dcp_trainer_state_is_refused_by_name(runs) -> None:
+    old = runs / "no-dcp"
+    shutil.copytree(runs / "solo", old)
+    shutil.rmtree(old / "checkpoint-3" / "dcp")
+    with pytest.raises(ValueError, match=r"checkpoint-3' has no dcp/\.metadata"):
+        train(load_config(GRPOConfig, "grpo-tiny", {**fields(runs, "no-dcp", 1), "resume_from_checkpoint": True}),
+              progress=False)
 
 
 if __name__ == "__main__":
