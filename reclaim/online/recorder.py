@@ -262,7 +262,9 @@ class _capture:
     (parameters and buffers stay as they are: they are not the record's bytes)."""
 
     def __init__(self, model: torch.nn.Module, rec: PromptRecord) -> None:
-        self.model, self.rec = model, rec
+        # not the record itself: every graph node keeps these hooks, and the record holds the
+        # graph, a cycle through C++ that the garbage collector cannot see (it would never free)
+        self.model, self.saved, self.reloads = model, rec.saved, rec.reloads
         self.own = {_storage_key(p) for p in model.parameters()} | {
             _storage_key(b) for b in model.buffers()}
         self.layer = -1  # -1: embedding; len(layers): final norm
@@ -282,8 +284,11 @@ class _capture:
         key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         s = self.seen.get(key)
         if s is None:
-            s = self.seen[key] = SavedTensor(t, self.layer, self.rec.reloads)
-            self.rec.saved.append(s)
+            # detached: a saved output holds its own grad_fn, and the node holding it would then
+            # hold itself through C++ references the garbage collector cannot see (the record, its
+            # graph and its bytes would never be freed)
+            s = self.seen[key] = SavedTensor(t.detach(), self.layer, self.reloads)
+            self.saved.append(s)
         s.shared |= s.layer != self.layer
         s.uses += 1
         return s

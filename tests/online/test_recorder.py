@@ -218,3 +218,28 @@ def test_head_loss_in_chunks_equals_one_cross_entropy():
     g_want = torch.autograd.grad(want, [hidden, model.lm_head.weight])
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
     assert all(rel_err(a, b) <= 1e-6 for a, b in zip(g_got, g_want))
+
+
+@pytest.mark.parametrize("mode", ["exact", "selective", "offloaded", "trained"])
+def test_a_dropped_record_is_freed(mode):
+    """A record and everything it holds (its graph, K/V, saved tensors) are freed once nothing
+    names it: the capture hooks the graph keeps must not lead back to the record, nor a saved
+    output to its own node (cycles through C++ that the garbage collector cannot see; they
+    leaked every record a server made)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    prompt, response = token_lists([9, 4], seed=3)
+    rec = record_prompt(model, prompt, response_id="r", version=0, selective=mode == "selective")
+    if mode == "offloaded":
+        rec.offload(torch.device("cpu"))
+    if mode == "trained":
+        loss, n = reuse_loss(model, [rec], [response])
+        (loss / n).backward()
+        del loss
+    refs = [weakref.ref(rec), *(weakref.ref(t) for t in rec.keys + rec.values + [rec.last_hidden])]
+    refs += [weakref.ref(s) for s in rec.saved]
+    del rec
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
