@@ -202,6 +202,15 @@ class Engine:
         with self._inbox_lock:
             return bool(self._inbox) or self.scheduler.has_unfinished()
 
+    def awaits_first_token(self) -> bool:
+        """Some request has not produced its first token yet: it is queued, or admitted with its
+        prefill not done (what co-located training must not delay: time to first token)."""
+        with self._inbox_lock:
+            if any(kind == "add" for kind, _ in self._inbox):
+                return True
+        sched = self.scheduler
+        return bool(sched.waiting) or any(s.num_tokens == s.num_prompt_tokens for s in sched.running)
+
     def stats(self) -> dict[str, int]:
         """Queue lengths and KV cache use."""
         return {

@@ -60,10 +60,12 @@ class Colocated:
         engine.recorder = self.record
         engine.weights_version = learner.version  # a resumed learner has trained already
         self.slices = TrainingSlices(learner.model, learner.train_step)
+        learner.trainer.pause = self.slices.boundary
         self.serve_s = 0.0  # engine steps' seconds
         self.train_s = 0.0  # training slices' seconds, idle or not
         self.credit_s = 0.0  # training time earned by busy engine steps, not yet used
         self.steps = 0
+        self.deferred = 0  # slices not granted because a request waited for its first token
 
     def should_record(self, requested: bool) -> bool:
         """Whether to record a request (the --record policy; `requested` is its
@@ -118,6 +120,9 @@ class Colocated:
             self.credit_s = min(self.credit_s + seconds * self.max_slowdown, max(seconds, 0.1))
         if not self.busy or not (idle or self.credit_s > 0):
             return None
+        if not idle and self.engine.awaits_first_token():
+            self.deferred += 1  # a prefill goes first: training waits for decode-only steps
+            return None
         spent, entry = self._grant(self.idle_slice_s if idle else self.credit_s)
         if not idle:
             self.credit_s -= spent  # an overshoot past the slice is paid back by later steps
@@ -144,11 +149,15 @@ class Colocated:
     def close(self) -> None:
         """Stop training (a step in progress is abandoned; its feedback stays pending)."""
         self.slices.close()
+        self.learner.trainer.pause = lambda: None
 
     def metrics(self) -> dict[str, float]:
         """The learner's metrics, with training tokens/s over the slices' time (a step's wall
         time includes the serving it waited for)."""
         out = {**self.learner.metrics(), "train_seconds": self.train_s, "serve_seconds": self.serve_s,
-               "train_steps": self.steps, "train_slices": self.slices.slices}
+               "train_steps": self.steps, "train_slices": self.slices.slices,
+               "train_slices_deferred": self.deferred,
+               "train_slice_overshoot_max_s": self.slices.max_overshoot_s,
+               "train_slice_overshoot_mean_s": self.slices.overshoot_s / max(1, self.slices.slices)}
         out["train_tokens_per_s"] = out["train_tokens"] / self.train_s if self.train_s else 0.0
         return out

@@ -53,6 +53,8 @@ class TrainingSlices:
         self._thread: threading.Thread | None = None
         self._result: tuple[bool, Any] | None = None  # (ok, entry or exception) of the last step
         self.slices = 0  # grants that ran training
+        self.overshoot_s = 0.0  # time past the granted seconds, summed over grants
+        self.max_overshoot_s = 0.0  # the longest wait past a grant: the largest unit run
         self._hooks = []
         for unit in boundaries(model):
             self._hooks.append(unit.register_forward_pre_hook(self._forward_boundary))
@@ -74,12 +76,17 @@ class TrainingSlices:
                 self._result = None
                 self._thread = threading.Thread(target=self._run, name="reclaim-train", daemon=True)
                 self._thread.start()
-            self._deadline = time.perf_counter() + seconds
+            start = time.perf_counter()
+            self._deadline = start + seconds
             self._turn = "train"
             self.slices += 1
             self._cv.notify_all()
             while self._turn == "train":
                 self._cv.wait()
+            if seconds != float("inf"):
+                over = max(0.0, time.perf_counter() - start - seconds)
+                self.overshoot_s += over
+                self.max_overshoot_s = max(self.max_overshoot_s, over)
             if self._result is None:
                 return None
             self._thread.join()
@@ -131,6 +138,12 @@ class TrainingSlices:
                 self._cv.wait()
             if self._closed:
                 raise Abandoned
+
+    def boundary(self) -> None:
+        """A boundary the step marks itself (e.g. before its optimizer step): parks there if
+        called from the training thread with the slice spent."""
+        if threading.current_thread() is self._thread:
+            self._park()
 
     def _forward_boundary(self, module: torch.nn.Module, args: Any) -> None:
         if threading.current_thread() is self._thread:  # serving's forwards never park

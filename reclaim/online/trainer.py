@@ -235,7 +235,14 @@ def adamw(params: list[torch.nn.Parameter], **kwargs: float | tuple[float, float
     """AdamW, fused where the parameters allow: one pass over the weights (7x faster than the
     default on a CPU for SmolLM2), so the step that changes the served weights is short."""
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params, fused=fused or None, **kwargs)
+    opt = torch.optim.AdamW(params, fused=fused or None, **kwargs)
+    # Its state made now (what the first step would make: step 0, zero moments), so the first
+    # step between two serving steps does not stall on allocating twice the weights' bytes.
+    opt.load_state_dict({"param_groups": opt.state_dict()["param_groups"], "state": {
+        i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        for i, p in enumerate(params)}})
+    return opt
 
 
 class OnlineTrainer:
@@ -258,6 +265,9 @@ class OnlineTrainer:
                                lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                weight_decay=cfg.weight_decay)
         self.step = 0  # optimizer steps taken; the weights version is the step
+        # called where a step may pause with the weights untouched (grads complete, before the
+        # optimizer step): co-location hands serving its turn there (slices.TrainingSlices)
+        self.pause: Callable[[], None] = lambda: None
         self.counts: Counter[str] = Counter()
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -324,9 +334,11 @@ class OnlineTrainer:
                                          [s.response_ids for s in recomputed[i:i + mb]])
                 (part / tokens).backward()
                 loss += part.item()
+        self.pause()
         if self.cfg.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
+            self.pause()
+        self.optimizer.step()  # from here to the return, nothing pauses: the weights are new
         self.step += 1
         self.feedback.mark_trained([s.feedback_id for s in samples], self.step)
         self.store.drop_older_than(self.version - self.cfg.max_staleness)

@@ -69,6 +69,21 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny):
     assert a == b and a != c.token_ids
 
 
+def test_awaits_first_token_while_a_request_is_queued_or_mid_prefill(tiny):
+    """What co-located training asks before it takes a slice: queued, admitted with its prefill
+    in chunks, then decoding (no longer waiting)."""
+    ours, _ = tiny
+    eng = _engine(ours, max_num_batched_tokens=5)
+    assert not eng.awaits_first_token()
+    eng.add_request("a", PROMPTS[2], GREEDY)  # 21 tokens: five steps of prefill
+    waits = []
+    while eng.has_unfinished():
+        outs = eng.step()
+        waits.append((eng.awaits_first_token(), any(o.new_token_ids for o in outs)))
+    first = next(i for i, (_, got) in enumerate(waits) if got)
+    assert first == 4 and all(w for w, _ in waits[:first]) and not any(w for w, _ in waits[first:])
+
+
 def test_logprobs_equal_log_softmax_of_oracle_logits(tiny):
     ours, hf = tiny
     prompt = PROMPTS[0]

@@ -44,10 +44,13 @@ def test_a_sliced_step_equals_a_whole_one_and_serving_sees_old_weights_until_its
     with torch.inference_mode():
         served_before = model(ids).logits
     slices = TrainingSlices(model, sliced.train_step)
-    entry, grants = None, 0
+    sliced.trainer.pause = slices.boundary  # as Colocated wires it: before clipping, before the step
+    entry, grants, parked_with_grads = None, 0, 0
     while entry is None:
         entry = slices.grant(0.0)  # a zero slice: park at every boundary
         grants += 1
+        if entry is None and all(p.grad is not None for p in model.parameters()):
+            parked_with_grads += 1  # the backward is done; the optimizer step has not run
         if entry is None:  # serving between two slices: the step's weights are not in yet
             with torch.inference_mode():
                 assert torch.equal(model(ids).logits, served_before)
@@ -55,6 +58,7 @@ def test_a_sliced_step_equals_a_whole_one_and_serving_sees_old_weights_until_its
     slices.close()
     # 2 layers and the head parked in the forward of each path, and again in the backward
     assert grants >= 2 * 3
+    assert parked_with_grads >= 2  # the step's own boundaries: before clipping and before the step
     assert [d["action"] for d in entry["decisions"]] == ["reuse", "recompute"]
     assert all(torch.equal(a, b) for a, b in zip(weights(model), weights(whole.model)))
     assert not any(torch.equal(a, b) for a, b in zip(weights(model), before) if a.dim() == 2)
@@ -135,3 +139,20 @@ def test_a_step_waits_for_a_full_batch_or_max_feedback_wait(tmp_path):
     assert hurried.ready
     assert hurried.train_now()["feedback_ids"] == [4] and learner.version == 2
     hurried.close()
+
+
+def test_a_request_waiting_for_its_first_token_gets_no_training_slice(tmp_path):
+    """Credit earned by busy steps is spent only on steps after which no request waits for its
+    first token: a prefill is never held up behind training."""
+    learner = learner_with_feedback(tmp_path, "first-token")
+    state = SimpleNamespace(waiting=True)
+    engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: True,
+                             awaits_first_token=lambda: state.waiting, weights_changed=lambda: None)
+    colocated = Colocated(learner, engine, max_ttft_slowdown=0.5)
+    for _ in range(4):
+        assert colocated.after_step(0.2) is None
+    assert colocated.slices.slices == 0 and colocated.deferred == 4 and colocated.credit_s > 0
+    state.waiting = False  # every request has its first token: the credit goes to training
+    colocated.after_step(0.2)
+    assert colocated.slices.slices == 1 and colocated.metrics()["train_slices_deferred"] == 4
+    colocated.close()

@@ -294,3 +294,25 @@ def test_micro_batches_of_one_give_the_whole_batchs_gradient(tmp_path):
     assert rel_err(grads(whole.model), grads(ones.model)) <= 1e-5  # fp32 summation order
     with pytest.raises(ValueError, match="micro_batch_size=-1"):
         OnlineTrainConfig(micro_batch_size=-1)
+
+
+def test_adamw_made_with_its_state_steps_as_torchs_own():
+    """The trainer's AdamW holds its state from the start (no allocation in the first step
+    between two serving steps) and steps exactly as torch's AdamW made the usual way."""
+    from reclaim.online.trainer import adamw
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ours = adamw(a, lr=1e-2, weight_decay=0.1)
+    assert len(ours.state) == 2 and all(float(s["step"]) == 0 for s in ours.state.values())
+    ref = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1)
+    for k in range(3):
+        for x, y in zip(a, b):
+            x.grad = torch.full_like(x, 0.1 * (k + 1)) + x.detach()
+            y.grad = x.grad.clone()
+        ours.step()
+        ref.step()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    assert all(float(s["step"]) == 3 for s in ours.state.values())
