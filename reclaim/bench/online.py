@@ -334,9 +334,11 @@ def _percentiles(xs: Sequence[float]) -> dict[str, float | None]:
 
 
 def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[float, list[int], int]],
-                 spec: OnlineBenchSpec, learn: bool, cost: Any = None) -> dict[str, Any]:
+                 spec: OnlineBenchSpec, learn: bool, cost: Any = None, train: bool = True
+                 ) -> dict[str, Any]:
     """Replay the stream on an engine stepped here as the server's engine thread steps it; with
-    `learn`, the server's co-location (record every prefill, feedback on a share, train)."""
+    `learn`, the server's co-location (record the prefills of requests that will get feedback,
+    feedback on a share, train; with train=False no training: what recording alone costs)."""
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
 
@@ -363,15 +365,22 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
     ntok: dict[int, int] = {}
     t0 = time.perf_counter()
     i = 0
+
+    def admit() -> float:
+        """Add the requests that have arrived (a server's inbox fills while a step runs)."""
+        nonlocal i
+        now = time.perf_counter() - t0
+        while i < len(stream) and stream[i][0] <= now:
+            params = SamplingParams(temperature=0, max_tokens=stream[i][2], ignore_eos=True)
+            # a client that means to give feedback asks for retain_for_training (--record
+            # requested, the bundled config's policy): only those prefills are recorded
+            engine.add_request(f"b{i}-0", stream[i][1], params, record=learn and i in give_feedback)
+            i += 1
+        return now
+
     try:
         while i < len(stream) or engine.has_unfinished():
-            now = time.perf_counter() - t0
-            while i < len(stream) and stream[i][0] <= now:
-                params = SamplingParams(temperature=0, max_tokens=stream[i][2], ignore_eos=True)
-                # a client that means to give feedback asks for retain_for_training (--record
-                # requested, the bundled config's policy): only those prefills are recorded
-                engine.add_request(f"b{i}-0", stream[i][1], params, record=learn and i in give_feedback)
-                i += 1
+            now = admit()
             if engine.has_unfinished():
                 t = time.perf_counter()
                 outs = engine.step()
@@ -389,8 +398,10 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
                         j = int(o.request_id[1:].split("-")[0])
                         if o.finished and j in give_feedback:
                             colocated.learner.feedback(key_of_request(o.request_id), 1)
-                    colocated.after_step(step_s)
-            elif colocated is not None and colocated.busy:
+                    admit()  # what arrived during the step is waiting: training lets it go first
+                    if train:
+                        colocated.after_step(step_s)
+            elif colocated is not None and train and colocated.busy:
                 colocated.after_step(0.0)  # idle: a short training slice
             else:
                 time.sleep(max(0.0, min(0.01, stream[i][0] - now)) if i < len(stream) else 0.0)
@@ -417,18 +428,21 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
     model.eval()
     plain = serve_stream(model, tokenizer, stream, spec, learn=False)
     log(f"serving only: TTFT p50 {plain['ttft_s']['p50']:.3f} s, TPOT p50 {plain['tpot_s']['p50']:.3f} s")
+    record = serve_stream(model, tokenizer, stream, spec, learn=True, cost=cost, train=False)
+    log(f"serving + recording (no training): TTFT p50 {record['ttft_s']['p50']:.3f} s, TPOT p50 "
+        f"{record['tpot_s']['p50']:.3f} s")
     learn = serve_stream(model, tokenizer, stream, spec, learn=True, cost=cost)
     log(f"serving + training: TTFT p50 {learn['ttft_s']['p50']:.3f} s, TPOT p50 "
         f"{learn['tpot_s']['p50']:.3f} s; {learn['learning']['train_steps']} steps")
 
-    def ratio(key: str, stat: str) -> float | None:
-        a, b = plain[key][stat], learn[key][stat]
-        return b / a if a and b is not None else None
+    def ratios(run: dict[str, Any]) -> dict[str, float | None]:
+        return {f"{k}_{s}": run[k][s] / plain[k][s] if plain[k][s] and run[k][s] is not None else None
+                for k in ("ttft_s", "tpot_s") for s in ("p50", "p90", "mean")}
 
     prompts = [len(p) for _, p, _ in stream]
     return dict(prompt_tokens=_percentiles(prompts), output_tokens=[n for _, _, n in stream],
-                serve_only=plain, serve_and_learn=learn,
-                slowdown={f"{k}_{s}": ratio(k, s) for k in ("ttft_s", "tpot_s") for s in ("p50", "p90", "mean")})
+                serve_only=plain, serve_and_record=record, serve_and_learn=learn,
+                slowdown=ratios(learn), slowdown_recording_only=ratios(record))
 
 
 # ---- run, plot, write -------------------------------------------------------------------------
@@ -466,11 +480,14 @@ def _plot_serving(ax: Any, s: dict[str, Any] | None) -> None:
         ax.text(0.5, 0.5, "serving side not run (--requests 0)", ha="center")
         return
     stats = ("p50", "p90", "mean")
-    for k, (key, label) in enumerate((("serve_only", "serving only"), ("serve_and_learn", "serving + training"))):
-        ax.bar([j + (k - 0.5) * 0.35 for j in range(3)], [s[key]["ttft_s"][q] for q in stats], 0.35,
-               label=f"TTFT, {label}")
-        ax.bar([3.5 + j + (k - 0.5) * 0.35 for j in range(3)], [s[key]["tpot_s"][q] for q in stats],
-               0.35, label=f"TPOT, {label}", hatch="//", alpha=0.7)
+    runs = [(k, label) for k, label in (("serve_only", "serving only"), ("serve_and_record", "+ recording"),
+                                         ("serve_and_learn", "+ recording + training")) if k in s]
+    w = 0.8 / len(runs)
+    for k, (key, label) in enumerate(runs):
+        off = (k - (len(runs) - 1) / 2) * w
+        ax.bar([j + off for j in range(3)], [s[key]["ttft_s"][q] for q in stats], w, label=f"TTFT, {label}")
+        ax.bar([3.5 + j + off for j in range(3)], [s[key]["tpot_s"][q] for q in stats],
+               w, label=f"TPOT, {label}", hatch="//", alpha=0.7)
     ax.set_xticks([0, 1, 2, 3.5, 4.5, 5.5], [f"TTFT {q}" for q in stats] + [f"TPOT {q}" for q in stats],
                   fontsize=7)
     ax.set_ylabel("seconds")

@@ -32,11 +32,14 @@ def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
     assert first["exact_reuse_rel_err"] < 1e-5 and first["selective_reuse_rel_err"] < 1e-5
     assert first["prefix_grad_false_rel_err"] > 1e-5  # stopping at the prompt is not exact
     serving = result["serving"]
-    for side in ("serve_only", "serve_and_learn"):
+    for side in ("serve_only", "serve_and_record", "serve_and_learn"):
         s = serving[side]
         assert s["requests"] == 6 and s["ttft_s"]["p50"] > 0 and s["output_tokens"] == sum(serving["output_tokens"])
     learned = serving["serve_and_learn"]["learning"]
     assert learned["train_steps"] >= 1 and learned["record_puts"] == 6
+    recorded = serving["serve_and_record"]["learning"]  # recording alone: no training
+    assert recorded["train_steps"] == 0 and recorded["record_puts"] == 6
+    assert set(serving["slowdown_recording_only"]) == set(serving["slowdown"])
     assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["cpu_model"]
     plot({**result, "serving": None}, tmp_path / "training-only.png")  # --requests 0
     assert (tmp_path / "training-only.png").stat().st_size > 0
