@@ -44,6 +44,8 @@ def test_grpo_rows_carry_reasoning_gyms_entries_with_the_configs_options():
     # the bundled config loads and draws its prompts
     bundled = load_config(GRPOConfig, "grpo-smollm2-rg", {"num_prompts": 4})
     assert bundled.task == "rg:basic_arithmetic" and len(build_dataset(bundled)) == 4
+    cot = load_config(GRPOConfig, "grpo-smollm2-rg-cot", {"num_prompts": 4})
+    assert cot.task == "rg:chain_sum" and len(build_dataset(cot)) == 4
     # a command-line override reads the same
     cli = load_config(GRPOConfig, None, ["--task", "rg:chain_sum", "--task_config", "{chain_sum: {max_terms: 2}}"])
     assert cli.task_config == {"chain_sum": {"max_terms": 2}}
