@@ -4,6 +4,8 @@
   sample's loss: `reuse_loss` (response tokens only, attending to the record) and the baseline
   `recompute_loss`; both give the same gradient.
 - store.py: records by response id under device and host byte budgets (offload, eviction).
+- transfer.py: offload and reload copies off the compute stream (CUDA), reloads one layer ahead.
+- slices.py: a training step run in slices between serving steps, parked at layer boundaries.
 - feedback.py: the durable feedback log (SQLite WAL): responses, feedback, which step trained it.
 - trainer.py: config, cost model, the per-sample reuse/recompute planner, the trainer, checkpoints.
 - lora.py: low-rank adapters for training with the base weights frozen.

@@ -23,12 +23,13 @@ hooks, so it keeps one). The planner (trainer.py) never sends one there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from reclaim.models.cache import DenseCache
+from reclaim.online.transfer import ReloadLog, copier_for
 
 IGNORE = -100  # label of padded positions
 HEAD_ROWS = 128  # positions the head and its loss run over at a time
@@ -38,13 +39,15 @@ class SavedTensor:
     """One tensor autograd saved during a recorded prompt forward, movable to host and back.
 
     `uses` counts the graph nodes that saved it, so a reloaded copy is dropped after its last use.
-    `log` collects the layers brought back (no link to the record: the graph would hold it in a
-    cycle the garbage collector cannot see through).
+    `log` (transfer.ReloadLog) logs the layers brought back and prefetches the next one; it holds
+    no link to the record (the graph would hold it in a cycle the garbage collector cannot see
+    through). Copies run off the compute stream on CUDA (transfer.Copier).
     """
 
-    def __init__(self, tensor: torch.Tensor, layer: int, log: list[int]) -> None:
+    def __init__(self, tensor: torch.Tensor, layer: int, log: ReloadLog) -> None:
         self.tensor: torch.Tensor | None = tensor
         self.host: torch.Tensor | None = None
+        self.pending: tuple[torch.Tensor, Any] | None = None  # a copy back in flight, its event
         self.device = tensor.device
         self.layer = layer
         self.shared = False  # saved by several layers (RoPE's cos/sin): not one layer's to log
@@ -53,9 +56,15 @@ class SavedTensor:
 
     def offload(self, host: torch.device) -> None:
         if self.tensor is not None and self.host is None:
-            # copy=True: on a CPU-only machine "host" is a copy too, so the path is exercised there
-            self.host = self.tensor.detach().to(host, copy=True)
+            self.host, _ = copier_for(self.device).to_host(self.tensor, host)
             self.tensor = None
+            if not self.shared:
+                self.log.add(self)
+
+    def prefetch(self) -> None:
+        """Start bringing the host copy back (on CUDA, on the side stream)."""
+        if self.tensor is None and self.host is not None and self.pending is None:
+            self.pending = copier_for(self.device).to_device(self.host, self.device)
 
     def get(self) -> torch.Tensor:
         self.uses -= 1
@@ -63,8 +72,11 @@ class SavedTensor:
             t = self.tensor
         else:
             if not self.shared:
-                self.log.append(self.layer)
-            t = self.host.to(self.device, copy=True)
+                self.log.reached(self.layer)  # may prefetch the layer below
+            self.prefetch()  # no-op when a prefetch is in flight
+            t, event = self.pending
+            self.pending = None
+            t = copier_for(self.device).ready(t, event)
             if self.uses > 0:
                 self.tensor = t  # still needed by another node of this layer's backward
         if self.uses == 0:
@@ -104,8 +116,12 @@ class PromptRecord:
     where: str = "device"  # or "host" after offload()
     selective: bool = False  # kept only matmul/attention outputs (see record_prompt)
     weight_versions: tuple[int, ...] = ()  # the parameters' in-place versions when recorded
-    reloads: list[int] = field(default_factory=list)  # layers brought back, in order (shared
-    # tensors left out)
+    log: ReloadLog = field(default_factory=ReloadLog)  # offloaded tensors coming back
+
+    @property
+    def reloads(self) -> list[int]:
+        """Layers brought back, in order (shared tensors left out)."""
+        return self.log.used
 
     @property
     def length(self) -> int:
@@ -264,7 +280,7 @@ class _capture:
     def __init__(self, model: torch.nn.Module, rec: PromptRecord) -> None:
         # not the record itself: every graph node keeps these hooks, and the record holds the
         # graph, a cycle through C++ that the garbage collector cannot see (it would never free)
-        self.model, self.saved, self.reloads = model, rec.saved, rec.reloads
+        self.model, self.saved, self.log = model, rec.saved, rec.log
         self.own = {_storage_key(p) for p in model.parameters()} | {
             _storage_key(b) for b in model.buffers()}
         self.layer = -1  # -1: embedding; len(layers): final norm
@@ -287,7 +303,7 @@ class _capture:
             # detached: a saved output holds its own grad_fn, and the node holding it would then
             # hold itself through C++ references the garbage collector cannot see (the record, its
             # graph and its bytes would never be freed)
-            s = self.seen[key] = SavedTensor(t.detach(), self.layer, self.reloads)
+            s = self.seen[key] = SavedTensor(t.detach(), self.layer, self.log)
             self.saved.append(s)
         s.shared |= s.layer != self.layer
         s.uses += 1

@@ -169,7 +169,14 @@ def test_offload_moves_forward_order_and_reloads_backward_order():
     first_seen = list(dict.fromkeys(rec.reloads))
     assert first_seen == sorted(first_seen, reverse=True)  # each layer comes back after the next one
     assert first_seen[0] == model.config.num_hidden_layers  # the final norm's input first
-    assert all(s.tensor is None and s.host is None for s in rec.saved)  # freed after use
+    assert all(s.tensor is None and s.host is None and s.pending is None for s in rec.saved)  # freed
+    # each layer but the first reached was on its way back (prefetched) before the backward
+    # needed it, one layer ahead: when the layer above it was first used
+    events = rec.log.events
+    for above, layer in zip(first_seen, first_seen[1:]):
+        fetched = events.index(("prefetch", layer))
+        assert events.index(("use", above)) < fetched < events.index(("use", layer))
+    assert ("prefetch", first_seen[0]) not in events
 
 
 def test_a_record_from_older_weights_is_refused_by_autograd():
