@@ -467,6 +467,8 @@ def bench_online(
     memory_budget_gib: float = typer.Option(2.0, "--memory-budget-gib", help="Activation budget for "
                                             "'trainable tokens under a memory budget'."),
     requests: int = typer.Option(24, help="Requests in the serving stream (0 skips the serving side)."),
+    serve_repeats: int = typer.Option(1, "--serve-repeats", help="Passes of the stream per serving side, "
+                                      "interleaved; TTFT/TPOT percentiles over all of them."),
     rate: float = typer.Option(0.5, help="Poisson arrival rate of the stream, requests/s."),
     scale: float = typer.Option(0.15, help="Multiplies ShareGPT's median turn lengths in the stream."),
     feedback_share: float = typer.Option(0.5, help="Share of served responses given feedback."),
@@ -483,6 +485,7 @@ def bench_online(
         spec = OnlineBenchSpec(model=model, mixes=parse_mixes("64/64,128/64" if quick else mixes),
                                sharegpt=sharegpt, repeats=1 if quick else repeats,
                                memory_budget_gib=memory_budget_gib, requests=8 if quick else requests,
+                               serve_repeats=1 if quick else serve_repeats,
                                rate=rate, scale=scale, feedback_share=feedback_share,
                                max_ttft_slowdown=max_ttft_slowdown, threads=threads, out_dir=out_dir)
     except ValueError as e:

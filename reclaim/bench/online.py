@@ -66,6 +66,7 @@ class OnlineBenchSpec:
     max_turns: int = 3  # a request is turn 1..max_turns of its conversation
     feedback_share: float = 0.5
     max_ttft_slowdown: float = 0.1
+    serve_repeats: int = 1  # passes of the stream per side (interleaved; percentiles pooled)
     train_batch: int = 4  # per_device_train_batch_size while serving
     learning_rate: float = 1e-5
     max_num_seqs: int = 8
@@ -77,7 +78,7 @@ class OnlineBenchSpec:
         for p, r in self.mixes:
             if p < 1 or r < 1:
                 raise ValueError(f"mix {p}/{r}: prompt and response tokens must be >= 1")
-        for name in ("repeats", "max_turns", "train_batch", "max_num_seqs"):
+        for name in ("repeats", "serve_repeats", "max_turns", "train_batch", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.requests < 0:
@@ -410,7 +411,8 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
         tpot = [(last[j] - first[j]) / (ntok[j] - 1) for j in sorted(first) if ntok[j] > 1]
         out = dict(requests=len(stream), output_tokens=sum(ntok.values()), seconds=wall,
                    output_tokens_per_s=sum(ntok.values()) / wall, ttft_s=_percentiles(ttft),
-                   tpot_s=_percentiles(tpot), feedback_given=len(give_feedback))
+                   tpot_s=_percentiles(tpot), feedback_given=len(give_feedback),
+                   ttft_each_s=ttft, tpot_each_s=tpot)
         if colocated is not None:
             out["learning"] = colocated.metrics()
         return out
@@ -426,14 +428,28 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
     """The stream served alone, then with co-located training; the slowdowns."""
     stream = request_stream(tokenizer, spec, model.config.max_position_embeddings)
     model.eval()
-    plain = serve_stream(model, tokenizer, stream, spec, learn=False)
-    log(f"serving only: TTFT p50 {plain['ttft_s']['p50']:.3f} s, TPOT p50 {plain['tpot_s']['p50']:.3f} s")
-    record = serve_stream(model, tokenizer, stream, spec, learn=True, cost=cost, train=False)
-    log(f"serving + recording (no training): TTFT p50 {record['ttft_s']['p50']:.3f} s, TPOT p50 "
-        f"{record['tpot_s']['p50']:.3f} s")
-    learn = serve_stream(model, tokenizer, stream, spec, learn=True, cost=cost)
-    log(f"serving + training: TTFT p50 {learn['ttft_s']['p50']:.3f} s, TPOT p50 "
-        f"{learn['tpot_s']['p50']:.3f} s; {learn['learning']['train_steps']} steps")
+    sides = {"serve_only": dict(learn=False), "serve_and_record": dict(learn=True, train=False),
+             "serve_and_learn": dict(learn=True)}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+    for _ in range(spec.serve_repeats):  # interleaved, so drifting load hits every side alike
+        for side, kw in sides.items():
+            r = serve_stream(model, tokenizer, stream, spec, cost=cost, **kw)
+            runs[side].append(r)
+            log(f"{side}: TTFT p50 {r['ttft_s']['p50']:.3f} s, mean {r['ttft_s']['mean']:.3f} s; TPOT p50 "
+                f"{r['tpot_s']['p50']:.3f} s" + (f"; {r['learning']['train_steps']} training steps"
+                                                  if kw.get("train", kw["learn"]) else ""))
+
+    def pooled(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every request of every repeat together (one pass's percentiles swing by tens of % with
+        where the training steps fall); each pass's own figures under `runs`."""
+        out = {**rs[-1], "runs": [{k: r[k] for k in ("ttft_s", "tpot_s", "seconds", "learning") if k in r}
+                                  for r in rs]}
+        for key in ("ttft", "tpot"):
+            out[f"{key}_s"] = _percentiles([x for r in rs for x in r[f"{key}_each_s"]])
+            del out[f"{key}_each_s"]
+        return out
+
+    plain, record, learn = (pooled(runs[k]) for k in sides)
 
     def ratios(run: dict[str, Any]) -> dict[str, float | None]:
         return {f"{k}_{s}": run[k][s] / plain[k][s] if plain[k][s] and run[k][s] is not None else None

@@ -6,8 +6,9 @@ prompt is computed once for serving and training. Finished responses are logged 
 name them. Training runs in slices between engine steps (`TrainingSlices`: a step parks at the
 next layer boundary once its slice is spent): while the engine is busy, each engine step of
 t seconds earns training t * s seconds with s = max_ttft_slowdown, so serving is stretched by at
-most s; while it is idle, training runs in short slices that let a new request in within about
-one layer's work. With max_feedback_wait_s a step waits for a full batch of feedback (or that
+most s, and the earned time is spent only after steps that leave no request waiting for its first
+token (a prefill never waits for training); while it is idle, training runs in short slices that
+let a new request in within about one layer's work. With max_feedback_wait_s a step waits for a full batch of feedback (or that
 long), so steps are fewer and the records they reuse fresher. The optimizer step changes the
 weights of the served module between two engine steps, and the engine bumps its version, so
 every response reports the version that produced it.

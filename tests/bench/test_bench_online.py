@@ -14,7 +14,7 @@ from reclaim.bench.online import OnlineBenchSpec, main, parse_mixes, plot
 def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
     spec = OnlineBenchSpec(model=str(tiny_model_dir), mixes=[(24, 8), (48, 16)], repeats=1, threads=1,
                            requests=6, rate=50.0, scale=0.05, train_batch=2, feedback_share=1.0,
-                           out_dir=str(tmp_path))
+                           serve_repeats=2, out_dir=str(tmp_path))
     main(spec, log=lambda s: None)
     result = json.loads((tmp_path / "online.json").read_text())
     assert (tmp_path / "online.png").stat().st_size > 0
@@ -35,6 +35,9 @@ def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
     for side in ("serve_only", "serve_and_record", "serve_and_learn"):
         s = serving[side]
         assert s["requests"] == 6 and s["ttft_s"]["p50"] > 0 and s["output_tokens"] == sum(serving["output_tokens"])
+        # two passes, their requests pooled: the pooled median lies within the passes' medians
+        p50s = [r["ttft_s"]["p50"] for r in s["runs"]]
+        assert len(p50s) == 2 and min(p50s) <= s["ttft_s"]["p50"] <= max(p50s)
     learned = serving["serve_and_learn"]["learning"]
     assert learned["train_steps"] >= 1 and learned["record_puts"] == 6
     recorded = serving["serve_and_record"]["learning"]  # recording alone: no training
