@@ -23,11 +23,11 @@ user/assistant messages before a last user message, chat-templated.
   prompt token, full and selective, against what autograd saves for the prompt.
 - Serving: `requests` requests, each a conversation's turn k (k uniform in 1..max_turns) with the
   history before it as the prompt and the assistant turn's length as max_tokens (EOS ignored),
-  arriving as a Poisson stream at `rate` requests/s; run once serving only and once with
+  arriving as a Poisson stream at `rate` requests/s; run serving only, recording only, and with
   `serve --learn`'s co-location (`feedback_share` of the requests ask to be retained for
   training, so their prefills are recorded, and get feedback with rating 1 when they finish;
-  training between engine steps within `max_ttft_slowdown`). TTFT (arrival to first token) and
-  TPOT per request, by percentile.
+  training between engine steps within `max_ttft_slowdown`), `serve_repeats` times each,
+  interleaved. TTFT (arrival to first token) and TPOT per request, by percentile over all passes.
 """
 
 from __future__ import annotations
@@ -425,7 +425,8 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
 
 def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec, cost: Any,
                   log: Callable[[str], None]) -> dict[str, Any]:
-    """The stream served alone, then with co-located training; the slowdowns."""
+    """The stream served alone, recording the retained prompts without training, and with
+    co-located training, serve_repeats times each (interleaved); the slowdowns of the last two."""
     stream = request_stream(tokenizer, spec, model.config.max_position_embeddings)
     model.eval()
     sides = {"serve_only": dict(learn=False), "serve_and_record": dict(learn=True, train=False),

@@ -8,10 +8,10 @@ next layer boundary once its slice is spent): while the engine is busy, each eng
 t seconds earns training t * s seconds with s = max_ttft_slowdown, so serving is stretched by at
 most s, and the earned time is spent only after steps that leave no request waiting for its first
 token (a prefill never waits for training); while it is idle, training runs in short slices that
-let a new request in within about one layer's work. With max_feedback_wait_s a step waits for a full batch of feedback (or that
-long), so steps are fewer and the records they reuse fresher. The optimizer step changes the
-weights of the served module between two engine steps, and the engine bumps its version, so
-every response reports the version that produced it.
+let a new request in within about one layer's work. With max_feedback_wait_s a step waits for a
+full batch of feedback (or that long), so steps are fewer and the records they reuse fresher. The
+optimizer step changes the weights of the served module between two engine steps, and the engine
+bumps its version, so every response reports the version that produced it.
 
 Keys: the engine runs choice i of response R as request `R-i`; choice 0 is known as `R`, others
 as `R#i` (what POST /v1/feedback names with `choice_index`).

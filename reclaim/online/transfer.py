@@ -82,10 +82,13 @@ class ReloadLog:
     back would keep a dropped record alive)."""
 
     def __init__(self) -> None:
-        self.used: list[int] = []
         self.events: list[tuple[str, int]] = []
         self._by_layer: dict[int, list[weakref.ref]] = {}
         self._reached: set[int] = set()
+
+    @property
+    def used(self) -> list[int]:
+        return [layer for kind, layer in self.events if kind == "use"]
 
     def add(self, saved: Any) -> None:
         """An offloaded tensor of one layer (`saved.layer`), with a `prefetch()`."""
@@ -94,7 +97,6 @@ class ReloadLog:
     def reached(self, layer: int) -> None:
         """A tensor of `layer` is brought back for the backward: log it; the first time, start
         bringing back the layer the backward reaches next (the one below)."""
-        self.used.append(layer)
         self.events.append(("use", layer))
         if layer in self._reached:
             return
