@@ -149,14 +149,10 @@ class PromptRecord:
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's prompt K/V ([1, Hkv, P, D]) on the model's device."""
-        k, v = self.keys[layer], self.values[layer]
-        if self.where == "host":
-            k, v = k.to(self.device, copy=True), v.to(self.device, copy=True)
-        return k, v
+        return self.keys[layer].to(self.device), self.values[layer].to(self.device)
 
     def hidden(self) -> torch.Tensor:
-        h = self.last_hidden
-        return h.to(self.device, copy=True) if self.where == "host" else h
+        return self.last_hidden.to(self.device)
 
     def detached(self) -> "PromptRecord":
         """The same K/V with gradients stopped at the prompt (a stale or prefix_grad=False use)."""

@@ -2,7 +2,9 @@
 
 A record that does not fit on the device pushes the oldest device records to host memory (the
 offload moves them layer by layer in forward order; the backward brings them back in backward
-order); when the host is full too, the oldest records are evicted. Every outcome is counted.
+order); when the host is full too, the oldest records are evicted. Every outcome is counted. A
+record made on the host device itself (serving on a CPU) is already in host memory: offloading it
+moves it to the host budget's account and copies nothing.
 
     store = RecordStore(record_budget="1GB", record_host_budget="4GB")
     store.put(record)
@@ -83,7 +85,10 @@ class RecordStore:
             self._drop(rid, "evicted")
         if rec.response_id in self.records:
             self._account(rec, -1)
-        rec.offload(self.host)
+        if rec.device == self.host:
+            rec.where = "host"  # the same memory: a copy would cost time and free nothing
+        else:
+            rec.offload(self.host)
         self._account(rec, +1)
         self.counts["offloads"] += 1
         return True
