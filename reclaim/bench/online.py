@@ -477,6 +477,9 @@ def measure(spec: OnlineBenchSpec, log: Callable[[str], None] | None = None,
     model, tokenizer = load_model(spec.model)
     for p in model.parameters():
         p.requires_grad_(True)
+    from reclaim.online.embedding_grad import RowGradEmbedding
+
+    RowGradEmbedding(model)  # as the online trainer does, for both sides
     training = bench_training(model, tokenizer, spec, log)
     result = dict(spec=asdict(spec), model=str(resolve_model_dir(spec.model)),
                   dtype=str(next(model.parameters()).dtype), training=training, serving=None, meta=meta)

@@ -3,12 +3,14 @@
 `Colocated` sits in the engine's loop (`reclaim serve --learn`). The engine runs a chosen
 request's prefill through `record` (the learner's autograd forward, kept for training), so the
 prompt is computed once for serving and training. Finished responses are logged so feedback can
-name them. Training runs in slices between engine steps (`TrainingSlices`: a step parks at the
-next layer boundary once its slice is spent): while the engine is busy, each engine step of
-t seconds earns training t * s seconds with s = max_ttft_slowdown, so serving is stretched by at
-most s, and the earned time is spent only after steps that leave no request waiting for its first
-token (a prefill never waits for training); while it is idle, training runs in short slices that
-let a new request in within about one layer's work. With max_feedback_wait_s a step waits for a
+name them. Training runs in slices between engine steps (`TrainingSlices`: a step runs a unit,
+a part of a layer's forward or backward, only if it fits what is left of its slice): while the
+engine is busy, each engine step of t seconds earns training t * s seconds with
+s = max_ttft_slowdown, so serving is stretched by at most s; the earned time is spent once it
+covers the step's next unit (a unit as long as the optimizer step waits for credit rather than
+overrunning a small slice), and only after steps that leave no request waiting for its first token
+(a prefill never waits for training); while it is idle, training runs in short slices that let a
+new request in within about one unit's work. With max_feedback_wait_s a step waits for a
 full batch of feedback (or that long), so steps are fewer and the records they reuse fresher. The
 optimizer step changes the weights of the served module between two engine steps, and the engine
 bumps its version, so every response reports the version that produced it.
@@ -113,20 +115,22 @@ class Colocated:
 
     def after_step(self, seconds: float) -> dict[str, Any] | None:
         """After an engine step of `seconds` (0 when the engine is idle): a training slice, if
-        training has work and time (the engine is idle, or busy steps have earned it). Returns
-        the log entry of a training step that finished in it."""
+        training has work and time (the engine is idle, or busy steps have earned enough for the
+        step's next unit, as long as its last one). Returns the log entry of a training step that
+        finished in it."""
         self.serve_s += seconds
         idle = not self.engine.has_unfinished()
+        need = self.slices.next_unit_s
         if not idle:  # a busy step of t seconds earns t * s: serving is stretched by at most s
-            self.credit_s = min(self.credit_s + seconds * self.max_slowdown, max(seconds, 0.1))
-        if not self.busy or not (idle or self.credit_s > 0):
+            self.credit_s = min(self.credit_s + seconds * self.max_slowdown, max(seconds, 0.1, need))
+        if not self.busy or not (idle or self.credit_s >= max(need, 1e-6)):
             return None
         if not idle and self.engine.awaits_first_token():
             self.deferred += 1  # a prefill goes first: training waits for decode-only steps
             return None
         spent, entry = self._grant(self.idle_slice_s if idle else self.credit_s)
         if not idle:
-            self.credit_s -= spent  # an overshoot past the slice is paid back by later steps
+            self.credit_s -= spent  # an overrun past the slice is paid back by later steps
         return entry
 
     def train_now(self) -> dict[str, Any] | None:
@@ -150,7 +154,7 @@ class Colocated:
     def close(self) -> None:
         """Stop training (a step in progress is abandoned; its feedback stays pending)."""
         self.slices.close()
-        self.learner.trainer.pause = lambda: None
+        self.learner.trainer.pause = lambda name: None
 
     def metrics(self) -> dict[str, float]:
         """The learner's metrics, with training tokens/s over the slices' time (a step's wall

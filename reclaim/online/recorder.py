@@ -32,7 +32,7 @@ from reclaim.models.cache import DenseCache
 from reclaim.online.transfer import ReloadLog, copier_for
 
 IGNORE = -100  # label of padded positions
-HEAD_ROWS = 128  # positions the head and its loss run over at a time
+HEAD_ROWS = 64  # positions the head and its loss run over at a time (a unit of a sliced step)
 
 
 class SavedTensor:

@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import tiny_model, token_lists
 
+from reclaim.models.mamba import MambaConfig, MambaForCausalLM
 from reclaim.online.colocate import Colocated
 from reclaim.online.learner import OnlineLearner
-from reclaim.online.slices import TrainingSlices
+from reclaim.online.slices import TrainingSlices, boundaries
 from reclaim.online.trainer import CostModel, OnlineTrainConfig
 
 
@@ -155,4 +156,76 @@ def test_a_request_waiting_for_its_first_token_gets_no_training_slice(tmp_path):
     state.waiting = False  # every request has its first token: the credit goes to training
     colocated.after_step(0.2)
     assert colocated.slices.slices == 1 and colocated.metrics()["train_slices_deferred"] == 4
+    colocated.close()
+
+
+def test_a_slice_starts_a_unit_only_if_it_fits_as_long_as_the_last_one():
+    """Time is the step's own (a fake clock the step advances): units of 30 ms after "u"
+    boundaries, then a 200 ms one after "big". A 50 ms slice runs the next unit only while one
+    as long as the last of its kind still fits; the first unit of a slice always runs; a unit
+    that overran once is waited for (next_unit_s) rather than overrun again."""
+    now = [0.0]
+    ran: list[str] = []
+
+    def unit(name: str, seconds: float) -> None:
+        now[0] += seconds
+        ran.append(name)
+
+    def step() -> str:
+        unit("start", 0.01)
+        for _ in range(3):
+            slices.boundary("u")
+            unit("u", 0.03)
+        slices.boundary("big")
+        unit("big", 0.2)
+        return "done"
+
+    slices = TrainingSlices(tiny_model(), step, clock=lambda: now[0])
+    per_grant, next_units = [], []
+    for _ in range(8):
+        before = len(ran)
+        entry = slices.grant(0.05)
+        per_grant.append(ran[before:])
+        next_units.append(slices.next_unit_s)
+        if entry is not None:
+            break
+    # grant 1: "start", then a "u" (not timed yet: it runs); the next "u" (30 ms, as the last) would
+    # end at 70 ms > 50 ms: parked. Grant 2: one "u" (the first unit always runs; a second would
+    # end 60 ms after the grant). Grant 3: a "u", then "big", never timed, so it runs: 180 ms over.
+    assert per_grant == [["start", "u"], ["u"], ["u", "big"]] and next_units[0] == pytest.approx(0.03)
+    assert slices.unit_s["big"] == pytest.approx(0.2) and slices.max_overshoot_s == pytest.approx(0.18)
+    # the second step: "big" is known, so the slice that reaches its boundary parks there
+    ran.clear()
+    while not ran or ran[-1] != "u" or len(ran) < 4:
+        assert slices.grant(0.05) is None
+    assert slices.next_unit_s == pytest.approx(0.2)  # what the serving side must grant at least
+    assert slices.grant(0.2) == "done" and ran[-1] == "big"
+    slices.close()
+
+
+def test_boundaries_are_every_attention_mlp_block_head_and_embedding():
+    model = tiny_model()
+    units = set(map(id, boundaries(model)))
+    for layer in model.model.layers:
+        assert {id(layer), id(layer.self_attn), id(layer.mlp)} <= units
+        assert id(layer.input_layernorm) not in units
+    assert id(model.lm_head) in units and id(model.model.embed_tokens) in units
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2))
+    units = set(map(id, boundaries(mamba)))
+    assert all(id(b) in units and id(b.mixer) not in units for b in mamba.backbone.layers)
+
+
+def test_credit_is_spent_only_when_it_covers_the_steps_next_unit(tmp_path):
+    """A step whose next unit is as long as 0.3 s gets no slice until busy steps have earned
+    0.3 s, instead of a slice of what one step earned that the unit would overrun."""
+    learner = learner_with_feedback(tmp_path, "credit")
+    engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: True,
+                             awaits_first_token=lambda: False, weights_changed=lambda: None)
+    colocated = Colocated(learner, engine, max_ttft_slowdown=0.1)
+    colocated.slices.unit_s["start"] = 0.3
+    for _ in range(5):
+        assert colocated.after_step(0.5) is None  # earns 0.05 s a step
+    assert colocated.slices.slices == 0
+    colocated.after_step(0.5)
+    assert colocated.slices.slices == 1
     colocated.close()

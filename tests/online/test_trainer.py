@@ -316,3 +316,24 @@ def test_adamw_made_with_its_state_steps_as_torchs_own():
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
     assert all(float(s["step"]) == 3 for s in ours.state.values())
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clipping_in_parts_equals_torchs_clip_grad_norm(max_norm):
+    """Split into parts with a pause after each (a sliced step can stop inside the clipping),
+    the clipping is torch's: the same total norm and, bitwise, the same scaled gradients."""
+    from reclaim.online.trainer import clip_grad_norm_in_parts
+
+    torch.manual_seed(0)
+    a, b = tiny_model(), tiny_model()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        pa.grad = torch.randn_like(pa)
+        pb.grad = pa.grad.clone()
+    a.lm_head.weight.grad = None  # a parameter without a gradient is left out, as torch does
+    b.lm_head.weight.grad = None
+    want = torch.nn.utils.clip_grad_norm_(a.parameters(), max_norm)
+    pauses = []
+    got = clip_grad_norm_in_parts(list(b.parameters()), max_norm, pauses.append, parts=4)
+    assert torch.equal(got, want) and pauses == ["clip"] * 8
+    assert all(torch.equal(pa.grad, pb.grad) for pa, pb in zip(a.parameters(), b.parameters())
+               if pa.grad is not None)
