@@ -116,8 +116,12 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.on_forward = on_forward
         self.recorder = recorder
+        # False: a request is served unrecorded when another one waits for its first token (a
+        # recorded prefill is slower, and would hold that one up)
+        self.record_when_queued = True
         self.num_recorded = 0
         self.num_record_failures = 0
+        self.num_record_skipped = 0
         self._partial: set[str] = set()  # recorded without every prompt hidden state: never drafted
         self.kv_on_weight_update = kv_on_weight_update
         self.speculative = speculative
@@ -205,11 +209,15 @@ class Engine:
     def awaits_first_token(self) -> bool:
         """Some request has not produced its first token yet: it is queued, or admitted with its
         prefill not done (what co-located training must not delay: time to first token)."""
+        return self._awaiting_first_token(but=None)
+
+    def _awaiting_first_token(self, but: str | None) -> bool:
         with self._inbox_lock:
             if any(kind == "add" for kind, _ in self._inbox):
                 return True
         sched = self.scheduler
-        return bool(sched.waiting) or any(s.num_tokens == s.num_prompt_tokens for s in sched.running)
+        return bool(sched.waiting) or any(s.num_tokens == s.num_prompt_tokens and s.request_id != but
+                                          for s in sched.running)
 
     def stats(self) -> dict[str, int]:
         """Queue lengths and KV cache use."""
@@ -223,6 +231,7 @@ class Engine:
             "num_shared_prefix_tokens": self.scheduler.num_shared_tokens,
             "num_recorded": self.num_recorded,
             "num_record_failures": self.num_record_failures,
+            "num_record_skipped": self.num_record_skipped,
             "weights_version": self.weights_version,
             **{f"spec_{k}": v for k, v in self.spec_stats.items()},
         }
@@ -415,6 +424,10 @@ class Engine:
         for c in chunks:
             seq = self._requests[c.request_id].seq
             if not (seq.record and c.start == 0 and c.is_prefill):
+                continue
+            if not self.record_when_queued and self._awaiting_first_token(but=seq.request_id):
+                seq.record = False  # served unrecorded (training recomputes its prompt)
+                self.num_record_skipped += 1
                 continue
             p = seq.num_prompt_tokens
             if not self.blocks.allocate(seq.request_id, p):

@@ -61,6 +61,7 @@ class Colocated:
         self.idle_slice_s, self.max_feedback_wait_s = idle_slice_s, max_feedback_wait_s
         self._waiting_since: float | None = None  # when feedback started waiting for a step
         engine.recorder = self.record
+        engine.record_when_queued = learner.cfg.record_when_queued
         engine.weights_version = learner.version  # a resumed learner has trained already
         self.slices = TrainingSlices(learner.model, learner.train_step)
         learner.trainer.pause = self.slices.boundary

@@ -67,6 +67,9 @@ class OnlineTrainConfig:
     save_total_limit: int | None = 2
     # Recording (the engine's side): all | requested (body key retain_for_training) | fraction:F
     record: str = "requested"
+    # False: a request is served unrecorded (training recomputes its prompt) when another one
+    # waits for its first token, since a recorded prefill is slower and would hold that one up
+    record_when_queued: bool = False
     record_budget: str = "1GB"  # records kept on the device
     record_host_budget: str = "4GB"  # records offloaded to host memory
     prefix_grad: bool = True  # False: records stop gradients at the prompt (cheaper, not exact)

@@ -74,3 +74,24 @@ def test_a_recorder_that_fails_or_gives_only_the_last_state():
             outs += eng.step()
         assert outs[-1].token_ids == want
         assert eng.stats()["num_recorded"] == recorded and eng.stats()["num_record_failures"] == 1 - recorded
+
+
+def test_with_record_when_queued_off_a_request_is_recorded_only_when_no_other_waits():
+    """co-location's policy: a recorded prefill is slower, so a request is served unrecorded when
+    another waits for its first token (counted); outputs are the same either way."""
+    model, _ = make_pair(seed=3)
+    prompts = [[5, 9, 33, 70, 12, 3, 40], list(range(20, 41)), [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = Engine(model, num_blocks=64, block_size=4).generate(prompts, params)
+    rec = GradRecorder(model)
+    eng = Engine(model, num_blocks=64, block_size=4, recorder=rec)
+    eng.record_when_queued = False
+    a = eng.add_request(None, prompts[0], params, record=True)  # alone: recorded
+    outs = {o.request_id: o for o in eng.step()}
+    b = eng.add_request(None, prompts[1], params, record=True)  # arrive together: each waits on
+    c = eng.add_request(None, prompts[2], params, record=True)  # the other, neither is recorded
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [outs[i].token_ids for i in (a, b, c)] == [w.token_ids for w in want]
+    assert [call[0] for call in rec.calls] == [a]
+    assert (eng.stats()["num_recorded"], eng.stats()["num_record_skipped"]) == (1, 2)
