@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -78,6 +79,17 @@ class TrainingSlices:
         self.unit_s: dict[str, float] = {}  # kind of boundary -> the last unit that followed one
         self._kind = "start"  # the kind of boundary the running (or parked) unit began at
         self._unit_start = 0.0
+        # what the outputs of recorded prefills hold: a weak link, since the records are held by
+        # the store, the store by the learner, the learner by `step`: a strong one would make a
+        # cycle through C++ that the garbage collector cannot see (nothing of it freed)
+        me = weakref.ref(self)
+
+        def gradient_hook(grad: torch.Tensor) -> None:
+            slices = me()
+            if slices is not None:
+                slices._backward_boundary(grad)
+
+        self._gradient_hook = gradient_hook
         self._hooks = []
         for unit in boundaries(model):
             self._hooks.append(unit.register_forward_pre_hook(self._forward_boundary))
@@ -190,7 +202,7 @@ class TrainingSlices:
         out = output[0] if isinstance(output, (tuple, list)) else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             # only training runs backward; the hook fires in whichever thread runs it
-            out.register_hook(self._backward_boundary)
+            out.register_hook(self._gradient_hook)
 
     def _backward_boundary(self, grad: torch.Tensor) -> None:
         if self._thread is not None:

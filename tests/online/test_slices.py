@@ -229,3 +229,23 @@ def test_credit_is_spent_only_when_it_covers_the_steps_next_unit(tmp_path):
     colocated.after_step(0.5)
     assert colocated.slices.slices == 1
     colocated.close()
+
+
+def test_records_made_under_co_location_do_not_keep_the_learner_alive(tmp_path):
+    """A prefill recorded while the slices' hooks are on holds gradient hooks on its outputs; they
+    must not lead back to the learner (store -> record -> hook -> learner would be a cycle through
+    C++ the garbage collector cannot see: a benchmark running several servers ran out of memory)."""
+    import gc
+    import weakref
+
+    learner = learner_with_feedback(tmp_path, "freed")
+    engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: False, weights_changed=lambda: None)
+    colocated = Colocated(learner, engine)
+    colocated.record("kept-0", token_lists([8], seed=4)[0], 0)  # stays in the store, never trained
+    assert learner.store.info("kept").status == "present"
+    refs = [weakref.ref(learner), weakref.ref(learner.store.records["kept"])]
+    colocated.close()
+    learner.log.close()
+    del learner, colocated, engine
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
