@@ -414,7 +414,8 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
                    tpot_s=_percentiles(tpot), feedback_given=len(give_feedback),
                    ttft_each_s=ttft, tpot_each_s=tpot)
         if colocated is not None:
-            out["learning"] = colocated.metrics()
+            # retained requests served unrecorded while another waited (record_when_queued false)
+            out["learning"] = {**colocated.metrics(), "record_skipped": engine.num_record_skipped}
         return out
     finally:
         if tmp is not None:

@@ -288,7 +288,7 @@ class OnlineTrainer:
             from reclaim.online.lora import apply_lora
 
             apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules)
-        # the embedding's gradient as rows added into .grad: 20% off a 256/256 step on a CPU
+        # the embedding's gradient as rows added into .grad: 20% off a 256/128 step on a CPU
         RowGradEmbedding(model)
         if cost is None:
             cost = CostModel.measure(model) if cfg.cost_model == "measure" else CostModel.fixed(
