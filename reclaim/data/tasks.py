@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-PROMPT_SOURCES = ("chat", "tasks", "mixed", "instruct")
+PROMPT_SOURCES = ("chat", "tasks", "mixed", "instruct", "broad")
 RG_PREFIX = "rg:"  # a task or prompt source drawn from reasoning-gym: rg:<dataset>[,<dataset>...]
 
 
@@ -358,11 +358,39 @@ def instruct_prompts(n: int, seed: int = 0) -> list[str]:
     return _distinct(draw(), n, key=lambda s: s)
 
 
+# `broad`: a drafter's training mix. Instruct and chat requests (up to the distinct ones their
+# templates give), then reasoning-gym questions from these datasets in equal shares, every other
+# one asking for worked steps as bench spec's reasoning prompts do; shuffled by the seed.
+BROAD_RG = ("aiw", "base_conversion", "basic_arithmetic", "bitwise_arithmetic", "caesar_cipher",
+            "calendar_arithmetic", "chain_sum", "coin_flip", "count_bits", "decimal_arithmetic", "dice",
+            "family_relationships", "fraction_simplification", "gcd", "gsm_symbolic", "lcm", "leg_counting",
+            "letter_counting", "letter_jumble", "number_filtering", "number_sorting", "palindrome_generation",
+            "power_function", "prime_factorization", "products", "propositional_logic", "sentence_reordering",
+            "simple_equations", "spell_backward", "syllogism", "time_intervals", "word_sorting",
+            "word_sequence_reversal", "string_manipulation")
+BROAD_SHARES = (("instruct", 0.115, 560), ("chat", 0.125, 600))  # (source, share of n, at most)
+WORKED_STEPS = " Think step by step."
+
+
+def broad_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` distinct prompts of the `broad` mix (above)."""
+    out = []
+    for source, share, cap in BROAD_SHARES:
+        out += make_prompts(source, min(round(share * n), cap), seed)
+    rest = n - len(out)
+    for i, name in enumerate(BROAD_RG):
+        m = rest // len(BROAD_RG) + (i < rest % len(BROAD_RG))
+        qs = [t.question.strip() for t in rg_tasks(RG_PREFIX + name, m, seed + i)]
+        out += [q + (WORKED_STEPS if j % 2 else "") for j, q in enumerate(qs)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
 # ---- one entry point ---------------------------------------------------------------------------
 
 def make_prompts(source: str, n: int, seed: int = 0) -> list[str]:
     """`n` user prompts from `source`: "chat", "tasks", "mixed" (both, alternating), "instruct"
-    (many kinds of request), reasoning-gym's datasets (`rg:<dataset>[,<dataset>]`), a file (one
+    (many kinds of request), "broad" (instruct, chat and 34 reasoning-gym datasets), reasoning-gym's datasets (`rg:<dataset>[,<dataset>]`), a file (one
     prompt per line, or JSON lines with a "prompt" field), or several of these joined by "+"
     (taken in turn: "instruct+rg:chain_sum")."""
     if n < 0:
@@ -375,6 +403,8 @@ def make_prompts(source: str, n: int, seed: int = 0) -> list[str]:
         return [p for group in itertools.zip_longest(*drawn) for p in group if p is not None]
     if source == "instruct":
         return instruct_prompts(n, seed)
+    if source == "broad":
+        return broad_prompts(n, seed)
     if source == "chat":
         return chat_prompts(n, seed)
     if source == "tasks":

@@ -168,8 +168,8 @@ def test_cli_trains_checkpoints_and_resumes(tiny_model_dir, tmp_path, one_thread
     base = ["drafter", "train", "--config", str(cfg_file), "--model", str(tiny_model_dir), "--output_dir", str(out)]
     r = CliRunner().invoke(app, base)
     assert r.exit_code == 0, r.output
-    assert "held-out greedy tau" in r.output and "target answered 8 prompts" in r.output
-    assert {"config.json", "model.safetensors", "log.jsonl", "eval.json", "rollouts.pt", "train_config.json",
+    assert "held-out greedy tau" in r.output and "target answered 6 of 6 training prompts" in r.output
+    assert {"config.json", "model.safetensors", "log.jsonl", "eval.json", "rollouts", "train_config.json",
             "checkpoint-2", "checkpoint-4"} <= {p.name for p in out.iterdir()}
     ck = out / "checkpoint-4"
     assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= {
@@ -215,11 +215,14 @@ def _engine_tau(target, drafter, prompts, max_tokens: int, tmp_path, k: int = 4)
     return [o.token_ids for o in outs], (st["spec_accepted"] + st["spec_verifies"]) / st["spec_verifies"]
 
 
-def _rollout_samples(target, prompts, max_tokens: int):
+def _rollout_samples(target, prompts, max_tokens: int, tok=None, ignore_eos: bool = True):
+    """Greedy answers and their samples (None for a one-token answer)."""
     rec = HiddenRecorder()
-    engine = Engine(target, None, max_num_seqs=16, max_model_len=128, on_forward=rec)
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return rec.samples([(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs]), [o.token_ids for o in outs]
+    engine = Engine(target, tok, max_num_seqs=16, max_model_len=max(128, max(map(len, prompts)) + max_tokens),
+                    on_forward=rec)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
+    samples = iter(rec.samples([(o.request_id, o.prompt_token_ids, o.token_ids) for o in outs if len(o.token_ids) > 1]))
+    return [next(samples) if len(o.token_ids) > 1 else None for o in outs], [o.token_ids for o in outs]
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 8])
@@ -313,3 +316,58 @@ def test_the_default_drafter_is_trained_once_then_found_in_the_cache(tiny_model_
     load_drafter(path, target)
     said.clear()
     assert dt.default_drafter_dir(log=said.append) == path and said == []  # found, not trained again
+
+
+def test_rollouts_are_saved_in_parts_and_a_resumed_run_answers_only_the_missing_ones(tiny_model_dir, tmp_path,
+                                                                                     one_thread):
+    """rollout_chunk prompts a part; rollout_dtype answers the training prompts with the target
+    cast to it (the held-out ones with the target itself): each part holds exactly what that
+    model's engine answers and records. A part lost in a crash is answered again, alone, the same."""
+    import copy
+
+    from reclaim.models.tokenizer import encode_chat
+    from reclaim.data.tasks import make_prompts
+
+    out = tmp_path / "run"
+    over = {**TINY_RUN, "model": str(tiny_model_dir), "output_dir": str(out), "rollout_chunk": 2,
+            "rollout_dtype": "bfloat16", "max_steps": 2, "save_steps": 0}
+    lines: list[str] = []
+    train(load_config(DrafterTrainConfig, None, over), progress=False, log=lines.append)
+    assert sum("target answered" in s for s in lines) == 3 and "target answered 6 of 6" in lines[2]
+    parts = out / "rollouts"
+    assert sorted(p.name for p in parts.iterdir()) == ["eval.pt", "part-00000.pt", "part-00001.pt", "part-00002.pt"]
+    target, tok = _load(tiny_model_dir)
+    texts = make_prompts("tasks", 8, 5)
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in texts]
+    low = copy.deepcopy(target).to(torch.bfloat16)
+    for model, dtype, name, idx in ((low, torch.bfloat16, "part-00000.pt", [0, 1]),
+                                    (low, torch.bfloat16, "part-00001.pt", [2, 3]),
+                                    (low, torch.bfloat16, "part-00002.pt", [4, 5]),
+                                    (target, torch.float32, "eval.pt", [6, 7])):
+        saved = torch.load(parts / name)
+        samples, answers = _rollout_samples(model, [prompts[i] for i in idx], 8, tok=tok, ignore_eos=False)
+        assert len(saved) == len(idx) and any(d is not None for d in saved)
+        for d, s, a, i in zip(saved, samples, answers, idx):
+            assert (d is None) == (s is None)  # a one-token answer: nothing to learn
+            if d is not None:
+                assert d["token_ids"].tolist() == prompts[i] + a[:-1] and d["hidden"].dtype == dtype
+                torch.testing.assert_close(d["hidden"], s.hidden)
+    before = torch.load(parts / "part-00001.pt")
+    (parts / "part-00001.pt").unlink()
+    lines.clear()
+    train(load_config(DrafterTrainConfig, None, {**over, "resume_from_checkpoint": True, "max_steps": 3}),
+          progress=False, log=lines.append)
+    assert [s for s in lines if "target answered" in s] == [next(s for s in lines if "answered 4 of 6" in s)]
+    for a, b in zip(before, torch.load(parts / "part-00001.pt")):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a["token_ids"], b["token_ids"]) and torch.equal(a["hidden"], b["hidden"])
+
+
+def test_a_resume_with_nothing_saved_and_a_bad_rollout_dtype_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="neither a checkpoint-"):
+        train(load_config(DrafterTrainConfig, None, {**TINY_RUN, "model": str(tiny_model_dir),
+                                                      "output_dir": str(tmp_path / "none"),
+                                                      "resume_from_checkpoint": True}), progress=False)
+    with pytest.raises(ConfigError, match="'fp8'"):
+        load_config(DrafterTrainConfig, None, {"rollout_dtype": "fp8"})

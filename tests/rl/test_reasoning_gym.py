@@ -122,3 +122,24 @@ def test_sources_joined_by_plus_take_turns_and_instruct_prompts_are_distinct():
     assert len(set(many)) == 400 and instruct_prompts(400, seed=0) == many
     with pytest.raises(ValueError, match="'nonsense'"):
         make_prompts("instruct+nonsense", 4)
+
+
+def test_the_broad_mix_is_instruct_chat_and_every_listed_dataset_half_with_worked_steps():
+    """`broad` holds its shares of instruct and chat prompts (each source's own, drawn with the
+    seed) and an equal share of every BROAD_RG dataset's questions, every other one asking for
+    worked steps; all distinct, shuffled, and the same for the same seed."""
+    from reclaim.data.tasks import BROAD_RG, WORKED_STEPS, rg_tasks
+
+    n = 179  # 21 instruct, 22 chat, 4 questions of each of the 34 datasets
+    mix = make_prompts("broad", n, seed=4)
+    assert len(mix) == n == len(set(mix)) and mix == make_prompts("broad", n, seed=4)
+    assert mix != make_prompts("broad", n, seed=5)
+    instruct, chat = make_prompts("instruct", round(0.115 * n), 4), make_prompts("chat", round(0.125 * n), 4)
+    assert set(instruct) | set(chat) <= set(mix)
+    rg = [q for q in mix if q not in set(instruct) | set(chat)]
+    assert len(rg) == n - len(instruct) - len(chat)
+    assert len(rg) == 4 * len(BROAD_RG) == 136
+    for i, name in enumerate(BROAD_RG):  # each dataset's first 4 questions, made with seed + i
+        qs = [t.question.strip() for t in rg_tasks("rg:" + name, 4, seed=4 + i)]
+        assert {qs[0], qs[1] + WORKED_STEPS, qs[2], qs[3] + WORKED_STEPS} <= set(rg)
+    assert sum(q.endswith(WORKED_STEPS) for q in rg) == 68
