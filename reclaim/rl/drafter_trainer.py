@@ -309,12 +309,14 @@ def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: Drafte
                   scheduler: Any = None, batch_size: int = 8, batch_tokens: int = 4096,
                   feature_noise: float = 0.1, reg_weight: float = 1.0, ce_weight: float = 0.1,
                   ce_vocab: torch.Tensor | None = None, unroll_steps: int = 1,
-                  max_grad_norm: float = 0.5, seed: int = 0,
+                  max_grad_norm: float = 0.5, seed: int = 0, bf16: bool = False,
                   start_step: int = 0,
                   on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Run `steps` optimizer steps (numbered from `start_step`) of the drafter on the buffer; the
     target gets no gradient. Pass the same optimizer (and scheduler) across calls to continue
-    training; without one, AdamW at `lr`. Returns one record per step (also given to on_step)."""
+    training; without one, AdamW at `lr`. bf16: the loss's matmuls under bfloat16 autocast (weights
+    and optimizer stay in their dtype; about 2x faster on a CPU with AMX). Returns one record per
+    step (also given to on_step)."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     if optimizer is None:
@@ -324,6 +326,7 @@ def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: Drafte
         raise ValueError("the optimizer holds parameters that are not the drafter's; the target "
                          "(embeddings, head) stays frozen")
     was_training = drafter.training
+    device = next(drafter.parameters()).device.type
     drafter.train()
     records = []
     try:
@@ -332,9 +335,10 @@ def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: Drafte
             batch = buffer.batch(step, seed, batch_size, batch_tokens)
             noise = torch.Generator().manual_seed(_mix(seed, step, 1))
             optimizer.zero_grad(set_to_none=True)
-            loss, parts = drafter_loss(drafter, target, batch, feature_noise=feature_noise,
-                                       reg_weight=reg_weight, ce_weight=ce_weight, ce_vocab=ce_vocab,
-                                       unroll_steps=unroll_steps, generator=noise)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+                loss, parts = drafter_loss(drafter, target, batch, feature_noise=feature_noise,
+                                           reg_weight=reg_weight, ce_weight=ce_weight, ce_vocab=ce_vocab,
+                                           unroll_steps=unroll_steps, generator=noise)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), max_grad_norm)
             lr_now = optimizer.param_groups[0]["lr"]
@@ -561,6 +565,7 @@ class DrafterTrainConfig:
     warmup_steps: int = 0  # > 0 wins over warmup_ratio, as in transformers
     warmup_ratio: float = 0.0
     lr_scheduler_type: str = "cosine"
+    bf16: bool = False  # the loss under bfloat16 autocast, as transformers' TrainingArguments.bf16
     feature_noise: float = 0.1
     unroll_steps: int = 2  # passes feeding the drafter's own predictions (chain drafting's later tokens)
     ce_vocab: str = "buffer"  # full | buffer: the cross-entropy over the buffer's tokens (cheaper)
@@ -789,7 +794,7 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
                   feature_noise=cfg.feature_noise, reg_weight=cfg.reg_loss_weight,
                   ce_weight=cfg.ce_loss_weight, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
                   ce_vocab=buffer.vocab() if cfg.ce_vocab == "buffer" else None,
-                  unroll_steps=cfg.unroll_steps,
+                  unroll_steps=cfg.unroll_steps, bf16=cfg.bf16,
                   start_step=step, on_step=on_step)
     bar.close()
     train_s = time.perf_counter() - t_train

@@ -48,12 +48,20 @@ def sample(t: int, h: int = 4) -> DrafterSample:
     return DrafterSample(torch.arange(t), torch.randn(t, h), mask)
 
 
-def test_loss_decreases_and_the_target_gets_no_gradient(target, one_thread):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_loss_decreases_and_the_target_gets_no_gradient(target, one_thread, bf16):
     before = {k: v.clone() for k, v in target.state_dict().items()}
     buf = DrafterBuffer(100_000)
     buf.add(collect(target, *rollouts(target, 16)))
+    torch.manual_seed(0)
     drafter = new_drafter(target)
-    recs = train_drafter(drafter, target, buf, steps=40, lr=3e-3, batch_size=4, seed=0)
+    if bf16:  # under autocast the first step's loss is float32's to bfloat16 precision
+        torch.manual_seed(0)
+        ref = train_drafter(new_drafter(target), target, buf, steps=1, lr=3e-3, batch_size=4, seed=0)[0]
+    recs = train_drafter(drafter, target, buf, steps=40, lr=3e-3, batch_size=4, seed=0, bf16=bf16)
+    if bf16:
+        assert recs[0]["loss"] == pytest.approx(ref["loss"], rel=2e-2) and recs[0]["loss"] != ref["loss"]
+        assert all(p.dtype == torch.float32 for p in drafter.parameters())
     first = sum(r["loss"] for r in recs[:5]) / 5
     last = sum(r["loss"] for r in recs[-5:]) / 5
     assert last < 0.8 * first, (first, last)
