@@ -35,9 +35,9 @@ CHAT = [
 def reasoning_prompts(source: str, n: int, seed: int = 0) -> list[str]:
     """`n` reasoning tasks of `source` (reasoning-gym datasets, `rg:<name>[,<name>]`), a worked
     answer asked for."""
-    from reclaim.data.tasks import make_prompts
+    from reclaim.data.tasks import WORKED_STEPS, make_prompts
 
-    return [q.strip() + " Think step by step." for q in make_prompts(source, n, seed)]
+    return [q.strip() + WORKED_STEPS for q in make_prompts(source, n, seed)]
 
 
 @dataclass

@@ -390,9 +390,10 @@ def broad_prompts(n: int, seed: int = 0) -> list[str]:
 
 def make_prompts(source: str, n: int, seed: int = 0) -> list[str]:
     """`n` user prompts from `source`: "chat", "tasks", "mixed" (both, alternating), "instruct"
-    (many kinds of request), "broad" (instruct, chat and 34 reasoning-gym datasets), reasoning-gym's datasets (`rg:<dataset>[,<dataset>]`), a file (one
-    prompt per line, or JSON lines with a "prompt" field), or several of these joined by "+"
-    (taken in turn: "instruct+rg:chain_sum")."""
+    (many kinds of request), "broad" (instruct, chat and 34 reasoning-gym datasets),
+    reasoning-gym's datasets (`rg:<dataset>[,<dataset>]`), a file (one prompt per line, or JSON
+    lines with a "prompt" field), or several of these joined by "+" (taken in turn:
+    "instruct+rg:chain_sum")."""
     if n < 0:
         raise ValueError(f"number of prompts must be >= 0, got {n}")
     check_source(source)

@@ -632,8 +632,8 @@ def _place_final(drafter: EagleDrafter, out: Path) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
-def _answer(engine: Any, recorder: HiddenRecorder, prompts: Sequence[list[int]], params: Sequence[Any],
-            keep_dtype: torch.dtype | None = None) -> list[DrafterSample | None]:
+def _answer(engine: Any, recorder: HiddenRecorder, prompts: Sequence[list[int]],
+            params: Sequence[Any]) -> list[DrafterSample | None]:
     """The engine's answers to `prompts` as samples (None for a one-token answer: no response
     position to learn from), the recorder emptied of them afterwards."""
     outs = engine.generate(list(prompts), list(params))
