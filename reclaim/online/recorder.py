@@ -331,6 +331,10 @@ class _capture:
         for h in self.handles:
             h.remove()
         self.seen.clear()
+        # the hooks hold self.pack, and self the saved tensors: a cycle that would keep every
+        # activation of the record alive after it is dropped, until the garbage collector runs
+        # (meanwhile each new record faulted in fresh pages: a recorded prefill ran 1.2x slower)
+        self.hooks = self.saved = None
 
 
 class PrefixCache:

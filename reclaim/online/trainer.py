@@ -266,6 +266,12 @@ def adamw(params: list[torch.nn.Parameter], **kwargs: float | tuple[float, float
     """AdamW, fused where the parameters allow: one pass over the weights (7x faster than the
     default on a CPU for SmolLM2), so the step that changes the served weights is short."""
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    # Weights read from a memory-mapped checkpoint stay the file's pages until first written: the
+    # first step would fault them all in (0.69 s against 0.18 s for SmolLM2 on a CPU) between two
+    # serving steps. They get pages of their own now.
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.clone()
     opt = torch.optim.AdamW(params, fused=fused or None, **kwargs)
     # Its state made now (what the first step would make: step 0, zero moments), so the first
     # step between two serving steps does not stall on allocating twice the weights' bytes.
