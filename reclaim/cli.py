@@ -291,8 +291,8 @@ def serve(
                                "retain_for_training) | fraction:F."),
     record_budget: str = typer.Option(None, "--record-budget", help="With --learn: bytes of records kept."),
     record_host_budget: str = typer.Option(None, "--record-host-budget", help="With --learn: bytes offloaded to host."),
-    max_ttft_slowdown: float = typer.Option(0.1, "--max-ttft-slowdown", help="With --learn: training may take "
-                                            "at most this share of serving's time (idle time is free)."),
+    max_ttft_slowdown: float = typer.Option(0.1, "--max-ttft-slowdown", help="With --learn: the latency training may "
+                                            "add to serving, as a share (idle time is free)."),
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)."""

@@ -5,8 +5,9 @@ request's prefill through `record` (the learner's autograd forward, kept for tra
 prompt is computed once for serving and training. Finished responses are logged so feedback can
 name them. Training runs in slices between engine steps (`TrainingSlices`: a step runs a unit,
 a part of a layer's forward or backward, only if it fits what is left of its slice): while the
-engine is busy, each engine step of t seconds earns training t * s seconds with
-s = max_ttft_slowdown, so serving is stretched by at most s; the earned time is spent once it
+engine is busy, each engine step of t seconds earns training t * credit_rate(s, rho) seconds, with
+s = max_ttft_slowdown and rho the share of recent time the engine spent serving (queueing makes
+extra work cost latency more the busier serving is; see `credit_rate`); the earned time is spent once it
 covers the step's next unit (a unit as long as the optimizer step waits for credit rather than
 overrunning a small slice), and only after steps that leave no request waiting for its first token
 (a prefill never waits for training); while it is idle, training runs in short slices that let a
@@ -22,7 +23,8 @@ as `R#i` (what POST /v1/feedback names with `choice_index`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,11 +46,25 @@ def key_of_request(request_id: str) -> str:
     return response_key(response_id, int(index)) if index.isdigit() and response_id else request_id
 
 
+def credit_rate(max_slowdown: float, utilization: float) -> float:
+    """Training seconds a busy serving second may earn so that latency grows by at most
+    `max_slowdown` at serving utilization rho (the share of time the engine serves).
+
+    Latency is mostly queueing when serving is busy: in an M/M/1 queue it goes as 1 / (1 - rho), so
+    a share d of extra work stretches it by (1 + d)(1 - rho) / (1 - rho (1 + d)), which is 1 + s for
+    d = s (1 - rho) / (1 + s rho): all of s on a light load, next to nothing near saturation. (In
+    `reclaim bench online` at rho ~0.8, training on s = 10% of busy time stretched TTFT by 35% and
+    TPOT by 31%: every running request waited for it, and for the prefills that piled up meanwhile.)"""
+    rho = min(max(utilization, 0.0), 1.0)
+    return max_slowdown * (1 - rho) / (1 + max_slowdown * rho)
+
+
 class Colocated:
     """A learner trained between the steps of the engine that serves its model."""
 
     def __init__(self, learner: OnlineLearner, engine: Engine, *, max_ttft_slowdown: float = 0.1,
-                 idle_slice_s: float = 0.02, max_feedback_wait_s: float = 0.0) -> None:
+                 idle_slice_s: float = 0.02, max_feedback_wait_s: float = 0.0,
+                 utilization_window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         if engine.model is not learner.model:
             raise ValueError("online learning trains the served module itself: give the learner the engine's model")
         if not 0 <= max_ttft_slowdown:
@@ -57,9 +73,14 @@ class Colocated:
             raise ValueError(f"idle_slice_s={idle_slice_s}; allowed: > 0 seconds")
         if not max_feedback_wait_s >= 0:
             raise ValueError(f"max_feedback_wait_s={max_feedback_wait_s}; allowed: >= 0 seconds")
+        if not utilization_window_s > 0:
+            raise ValueError(f"utilization_window_s={utilization_window_s}; allowed: > 0 seconds")
         self.learner, self.engine, self.max_slowdown = learner, engine, max_ttft_slowdown
         self.idle_slice_s, self.max_feedback_wait_s = idle_slice_s, max_feedback_wait_s
         self._waiting_since: float | None = None  # when feedback started waiting for a step
+        self.clock, self.window_s = clock, utilization_window_s
+        self._started = clock()
+        self._served: deque[tuple[float, float]] = deque()  # (end, seconds) of recent busy steps
         engine.recorder = self.record
         engine.record_when_queued = learner.cfg.record_when_queued
         engine.weights_version = learner.version  # a resumed learner has trained already
@@ -109,7 +130,7 @@ class Colocated:
         if n == 0:
             self._waiting_since = None
             return False
-        now = time.monotonic()
+        now = self.clock()
         if self._waiting_since is None:
             self._waiting_since = now
         return n >= batch or now - self._waiting_since >= self.max_feedback_wait_s
@@ -120,10 +141,13 @@ class Colocated:
         step's next unit, as long as its last one). Returns the log entry of a training step that
         finished in it."""
         self.serve_s += seconds
+        if seconds > 0:
+            self._served.append((self.clock(), seconds))
         idle = not self.engine.has_unfinished()
         need = self.slices.next_unit_s
-        if not idle:  # a busy step of t seconds earns t * s: serving is stretched by at most s
-            self.credit_s = min(self.credit_s + seconds * self.max_slowdown, max(seconds, 0.1, need))
+        if not idle:  # a busy step of t seconds earns t * credit_rate: latency grows by at most s
+            earned = seconds * credit_rate(self.max_slowdown, self.utilization())
+            self.credit_s = min(self.credit_s + earned, max(seconds, 0.1, need))
         if not self.busy or not (idle or self.credit_s >= max(need, 1e-6)):
             return None
         if not idle and self.engine.awaits_first_token():
@@ -133,6 +157,16 @@ class Colocated:
         if not idle:
             self.credit_s -= spent  # an overrun past the slice is paid back by later steps
         return entry
+
+    def utilization(self) -> float:
+        """The share of the last utilization_window_s (or of the time since the start, if less)
+        that the engine spent in its steps: serving's own load, training's time not counted."""
+        now = self.clock()
+        while self._served and self._served[0][0] <= now - self.window_s:
+            self._served.popleft()
+        span = min(self.window_s, now - self._started)
+        busy = sum(s for _, s in self._served)
+        return min(1.0, busy / span) if span > 0 else 1.0
 
     def train_now(self) -> dict[str, Any] | None:
         """Run a training step to its end (or finish the one in progress), full batch or not;
@@ -163,6 +197,8 @@ class Colocated:
         out = {**self.learner.metrics(), "train_seconds": self.train_s, "serve_seconds": self.serve_s,
                "train_steps": self.steps, "train_slices": self.slices.slices,
                "train_slices_deferred": self.deferred,
+               "serving_utilization": self.utilization(),
+               "train_credit_rate": credit_rate(self.max_slowdown, self.utilization()),
                "train_slice_overshoot_max_s": self.slices.max_overshoot_s,
                "train_slice_overshoot_mean_s": self.slices.overshoot_s / max(1, self.slices.slices)}
         out["train_tokens_per_s"] = out["train_tokens"] / self.train_s if self.train_s else 0.0

@@ -5,6 +5,7 @@ busy engine's time to training only as max_ttft_slowdown allows."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from conftest import tiny_model, token_lists
 
 from reclaim.models.mamba import MambaConfig, MambaForCausalLM
-from reclaim.online.colocate import Colocated
+from reclaim.online.colocate import Colocated, credit_rate
 from reclaim.online.learner import OnlineLearner
 from reclaim.online.slices import TrainingSlices, boundaries
 from reclaim.online.trainer import CostModel, OnlineTrainConfig
@@ -149,11 +150,14 @@ def test_a_request_waiting_for_its_first_token_gets_no_training_slice(tmp_path):
     state = SimpleNamespace(waiting=True)
     engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: True,
                              awaits_first_token=lambda: state.waiting, weights_changed=lambda: None)
-    colocated = Colocated(learner, engine, max_ttft_slowdown=0.5)
+    now = [0.0]
+    colocated = Colocated(learner, engine, max_ttft_slowdown=0.5, clock=lambda: now[0])
     for _ in range(4):
+        now[0] += 1.0  # serving a fifth of the time
         assert colocated.after_step(0.2) is None
     assert colocated.slices.slices == 0 and colocated.deferred == 4 and colocated.credit_s > 0
     state.waiting = False  # every request has its first token: the credit goes to training
+    now[0] += 1.0
     colocated.after_step(0.2)
     assert colocated.slices.slices == 1 and colocated.metrics()["train_slices_deferred"] == 4
     colocated.close()
@@ -221,13 +225,68 @@ def test_credit_is_spent_only_when_it_covers_the_steps_next_unit(tmp_path):
     learner = learner_with_feedback(tmp_path, "credit")
     engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: True,
                              awaits_first_token=lambda: False, weights_changed=lambda: None)
-    colocated = Colocated(learner, engine, max_ttft_slowdown=0.1)
+    now = [0.0]
+    colocated = Colocated(learner, engine, max_ttft_slowdown=0.1, clock=lambda: now[0])
     colocated.slices.unit_s["start"] = 0.3
-    for _ in range(5):
-        assert colocated.after_step(0.5) is None  # earns 0.05 s a step
+    per_step = 0.5 * credit_rate(0.1, 0.1)  # steps of 0.5 s every 5 s: serving 10% of the time
+    for _ in range(math.ceil(0.3 / per_step) - 1):
+        now[0] += 5.0
+        assert colocated.after_step(0.5) is None
+        assert colocated.utilization() == pytest.approx(0.1)
     assert colocated.slices.slices == 0
+    now[0] += 5.0
     colocated.after_step(0.5)
     assert colocated.slices.slices == 1
+    colocated.close()
+
+
+def mm1_sojourn_ratio(rho: float, extra: float, n: int = 200_000, seed: int = 0) -> float:
+    """Mean time in an M/M/1 queue (arrival rate rho, mean service 1) with every service
+    lengthened by `extra`, over the mean without: Lindley's recursion on the same random draws."""
+    g = torch.Generator().manual_seed(seed)
+    gaps = torch.empty(n, dtype=torch.float64).exponential_(rho, generator=g).tolist()
+    work = torch.empty(n, dtype=torch.float64).exponential_(1.0, generator=g).tolist()
+    totals = []
+    for scale in (1.0, 1.0 + extra):
+        wait = total = 0.0
+        for a, s in zip(gaps, work):
+            wait = max(0.0, wait + s * scale - a) if total else 0.0
+            total += wait + s * scale
+        totals.append(total)
+    return totals[1] / totals[0]
+
+
+@pytest.mark.parametrize("rho", [0.2, 0.5, 0.8])
+def test_the_credit_rate_keeps_a_simulated_queues_latency_within_the_bound(rho):
+    """The training a busy second may earn at utilization rho, added to every service of a
+    simulated M/M/1 queue, stretches its mean latency by max_ttft_slowdown (10%), not more; s
+    itself (the schedule before this rate) stretches it far more at a high load."""
+    rate = credit_rate(0.1, rho)
+    assert mm1_sojourn_ratio(rho, rate) == pytest.approx(1.1, abs=0.03)
+    assert credit_rate(0.1, 0.0) == pytest.approx(0.1) and credit_rate(0.1, 1.0) == 0.0
+    if rho >= 0.5:
+        assert mm1_sojourn_ratio(rho, 0.1) > 1.2
+
+
+def test_utilization_is_the_busy_share_of_a_recent_window(tmp_path):
+    """Steps of 1 s every 2 s: utilization 0.5, and a busy step earns credit_rate(s, 0.5) per
+    second; after the window has passed with the engine idle, the old load is forgotten."""
+    learner = learner_with_feedback(tmp_path, "utilization")
+    state = SimpleNamespace(unfinished=True)
+    engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: state.unfinished,
+                             awaits_first_token=lambda: True, weights_changed=lambda: None)
+    now = [0.0]
+    colocated = Colocated(learner, engine, max_ttft_slowdown=0.2, utilization_window_s=10.0,
+                          clock=lambda: now[0])
+    for _ in range(10):
+        now[0] += 2.0
+        before = colocated.credit_s
+        colocated.after_step(1.0)  # a first token is awaited: credit is earned, not spent
+    assert colocated.utilization() == pytest.approx(0.5)
+    assert colocated.credit_s - before == pytest.approx(credit_rate(0.2, 0.5))
+    assert colocated.metrics()["serving_utilization"] == pytest.approx(0.5)
+    now[0] += 11.0
+    assert colocated.utilization() == 0.0
     colocated.close()
 
 
