@@ -28,10 +28,11 @@ COMPARED = ("loss", "reward", "reward_std", "grad_norm", "entropy", "completions
 
 
 def run(world: int, cfg: str, steps: int, accumulation: int, out: Path) -> float:
-    args = ["-m", "reclaim.cli", "grpo", "--config", cfg, "--max_steps", str(steps), "--save_steps", str(steps),
-            "--gradient_accumulation_steps", str(accumulation // world), "--output_dir", str(out), "--threads", "1"]
-    cmd = [sys.executable, *args] if world == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *args]
+    args = ["-m", "reclaim.cli", "grpo", "--config", cfg, "--max_steps", str(steps),
+            "--save_steps", str(steps), "--gradient_accumulation_steps", str(accumulation // world),
+            "--output_dir", str(out), "--threads", "1"]
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    cmd = [sys.executable, *([] if world == 1 else launch), *args]
     t = time.perf_counter()
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return time.perf_counter() - t
@@ -53,7 +54,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="grpo-smollm2-add")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps at world size 1 (even)")
+    ap.add_argument("--accumulation", type=int, default=4,
+                    help="gradient_accumulation_steps at world size 1 (even)")
     ap.add_argument("--out", default="benchmarks/grpo-world-size.json")
     a = ap.parse_args()
     from reclaim.models.loading import load_model
@@ -63,7 +65,8 @@ def main() -> int:
         seconds = {w: run(w, a.config, a.steps, a.accumulation, d) for w, d in runs.items()}
         logs = {w: lines(d / "log.jsonl") for w, d in runs.items()}
         done = {w: {s: sorted(json.dumps(r, sort_keys=True) for r in lines(d / "completions.jsonl")
-                                      if r["step"] == s) for s in range(1, a.steps + 1)} for w, d in runs.items()}
+                              if r["step"] == s) for s in range(1, a.steps + 1)}
+                for w, d in runs.items()}
         w1, w2 = weights(runs[1], a.steps), weights(runs[2], a.steps)
         start = {n: p.detach() for n, p in load_model(None)[0].state_dict().items()}
     steps = [{"step": x["step"], "completions_identical": done[1][x["step"]] == done[2][x["step"]],

@@ -5,13 +5,13 @@ request's prefill through `record` (the learner's autograd forward, kept for tra
 prompt is computed once for serving and training. Finished responses are logged so feedback can
 name them. Training runs in slices between engine steps (`TrainingSlices`: a step runs a unit,
 a part of a layer's forward or backward, only if it fits what is left of its slice): while the
-engine is busy, each engine step of t seconds earns training t * credit_rate(s, rho) seconds, with
-s = max_ttft_slowdown and rho the share of recent time the engine spent serving (queueing makes
-extra work cost latency more the busier serving is; see `credit_rate`); the earned time is spent once it
-covers the step's next unit (a unit as long as the optimizer step waits for credit rather than
-overrunning a small slice), and only after steps that leave no request waiting for its first token
-(a prefill never waits for training); while it is idle, training runs in short slices that let a
-new request in within about one unit's work. With max_feedback_wait_s a step waits for a
+engine is busy, each engine step of t seconds earns training t * credit_rate(s, rho) seconds,
+with s = max_ttft_slowdown and rho the share of recent time the engine spent serving (queueing
+makes extra work cost latency more the busier serving is; see `credit_rate`); the earned time is
+spent once it covers the step's next unit (a unit as long as the optimizer step waits for credit
+rather than overrunning a small slice), and only after steps that leave no request waiting for its
+first token (a prefill never waits for training); while it is idle, training runs in short slices
+that let a new request in within about one unit's work. With max_feedback_wait_s a step waits for a
 full batch of feedback (or that long), so steps are fewer and the records they reuse fresher. The
 optimizer step changes the weights of the served module between two engine steps, and the engine
 bumps its version, so every response reports the version that produced it.
@@ -64,7 +64,8 @@ class Colocated:
 
     def __init__(self, learner: OnlineLearner, engine: Engine, *, max_ttft_slowdown: float = 0.1,
                  idle_slice_s: float = 0.02, max_feedback_wait_s: float = 0.0,
-                 utilization_window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 utilization_window_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if engine.model is not learner.model:
             raise ValueError("online learning trains the served module itself: give the learner the engine's model")
         if not 0 <= max_ttft_slowdown:
