@@ -195,11 +195,11 @@ class Colocated:
     def metrics(self) -> dict[str, float]:
         """The learner's metrics, with training tokens/s over the slices' time (a step's wall
         time includes the serving it waited for)."""
+        rho = self.utilization()
         out = {**self.learner.metrics(), "train_seconds": self.train_s, "serve_seconds": self.serve_s,
                "train_steps": self.steps, "train_slices": self.slices.slices,
                "train_slices_deferred": self.deferred,
-               "serving_utilization": self.utilization(),
-               "train_credit_rate": credit_rate(self.max_slowdown, self.utilization()),
+               "serving_utilization": rho, "train_credit_rate": credit_rate(self.max_slowdown, rho),
                "train_slice_overshoot_max_s": self.slices.max_overshoot_s,
                "train_slice_overshoot_mean_s": self.slices.overshoot_s / max(1, self.slices.slices)}
         out["train_tokens_per_s"] = out["train_tokens"] / self.train_s if self.train_s else 0.0
