@@ -27,7 +27,11 @@ user/assistant messages before a last user message, chat-templated.
   `serve --learn`'s co-location (`feedback_share` of the requests ask to be retained for
   training, so their prefills are recorded, and get feedback with rating 1 when they finish;
   training between engine steps within `max_ttft_slowdown`), `serve_repeats` times each,
-  interleaved. TTFT (arrival to first token) and TPOT per request, by percentile over all passes.
+  interleaved with the order rotated each repeat. TTFT (arrival to first token) and TPOT per
+  request, by percentile over all passes; each pass against the serving-only pass of its repeat;
+  and the noise floor: serving alone's odd passes pooled against its even ones (the same work on
+  both sides: at serving utilization ~0.8 queueing turns small changes in the machine's speed into
+  large ones in TTFT).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class OnlineBenchSpec:
     max_turns: int = 3  # a request is turn 1..max_turns of its conversation
     feedback_share: float = 0.5
     max_ttft_slowdown: float = 0.1
-    serve_repeats: int = 1  # passes of the stream per side (interleaved; percentiles pooled)
+    serve_repeats: int = 1  # passes of the stream per side (interleaved, order rotated; pooled)
     train_batch: int = 4  # per_device_train_batch_size while serving
     learning_rate: float = 1e-5
     max_num_seqs: int = 8
@@ -438,17 +442,26 @@ def _release_freed_memory() -> None:
         pass
 
 
+def ratios_of(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """TTFT and TPOT percentiles of `run` over `base`'s."""
+    return {f"{k}_{s}": run[k][s] / base[k][s] if base[k][s] and run[k][s] is not None else None
+            for k in ("ttft_s", "tpot_s") for s in ("p50", "p90", "mean")}
+
+
 def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec, cost: Any,
                   log: Callable[[str], None]) -> dict[str, Any]:
     """The stream served alone, recording the retained prompts without training, and with
-    co-located training, serve_repeats times each (interleaved); the slowdowns of the last two."""
+    co-located training, serve_repeats times each (interleaved); the slowdowns of the last two,
+    pooled and per pass, and serving alone against itself (the noise floor)."""
     stream = request_stream(tokenizer, spec, model.config.max_position_embeddings)
     model.eval()
     sides = {"serve_only": dict(learn=False), "serve_and_record": dict(learn=True, train=False),
              "serve_and_learn": dict(learn=True)}
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
-    for _ in range(spec.serve_repeats):  # interleaved, so drifting load hits every side alike
-        for side, kw in sides.items():
+    names = list(sides)
+    for rep in range(spec.serve_repeats):  # interleaved, the order rotated each repeat, so
+        for side in names[rep % 3:] + names[:rep % 3]:  # drifting load hits every side alike
+            kw = sides[side]
             r = serve_stream(model, tokenizer, stream, spec, cost=cost, **kw)
             _release_freed_memory()
             runs[side].append(r)
@@ -469,13 +482,24 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
     plain, record, learn = (pooled(runs[k]) for k in sides)
 
     def ratios(run: dict[str, Any]) -> dict[str, float | None]:
-        return {f"{k}_{s}": run[k][s] / plain[k][s] if plain[k][s] and run[k][s] is not None else None
-                for k in ("ttft_s", "tpot_s") for s in ("p50", "p90", "mean")}
+        return ratios_of(run, plain)
+
+    def per_pass(side: str) -> dict[str, list[float]]:
+        """Each repeat's pass against serving alone in the same repeat."""
+        return {f"{k}_{s}": [r[k][s] / p[k][s] for r, p in zip(runs[side], runs["serve_only"])]
+                for k in ("ttft_s", "tpot_s") for s in ("p50", "mean")}
 
     prompts = [len(p) for _, p, _ in stream]
-    return dict(prompt_tokens=_percentiles(prompts), output_tokens=[n for _, _, n in stream],
-                serve_only=plain, serve_and_record=record, serve_and_learn=learn,
-                slowdown=ratios(learn), slowdown_recording_only=ratios(record))
+    out = dict(prompt_tokens=_percentiles(prompts), output_tokens=[n for _, _, n in stream],
+               serve_only=plain, serve_and_record=record, serve_and_learn=learn,
+               slowdown=ratios(learn), slowdown_recording_only=ratios(record),
+               slowdown_per_pass=per_pass("serve_and_learn"),
+               slowdown_recording_only_per_pass=per_pass("serve_and_record"))
+    if spec.serve_repeats >= 2:  # the noise floor: serving alone against itself, same work both
+        # sides (its odd passes pooled against its even ones, as a side's pooled passes are compared)
+        out["serve_only_odd_vs_even"] = ratios_of(pooled(runs["serve_only"][1::2]),
+                                                  pooled(runs["serve_only"][0::2]))
+    return out
 
 
 # ---- run, plot, write -------------------------------------------------------------------------

@@ -44,6 +44,13 @@ def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
     recorded = serving["serve_and_record"]["learning"]  # recording alone: no training
     assert recorded["train_steps"] == 0 and recorded["record_puts"] + recorded["record_skipped"] == 6
     assert set(serving["slowdown_recording_only"]) == set(serving["slowdown"])
+    for side, key in (("serve_and_learn", "slowdown_per_pass"), ("serve_and_record", "slowdown_recording_only_per_pass")):
+        runs, base = serving[side]["runs"], serving["serve_only"]["runs"]
+        assert serving[key]["ttft_s_mean"] == pytest.approx(
+            [r["ttft_s"]["mean"] / b["ttft_s"]["mean"] for r, b in zip(runs, base)])
+    noise = serving["serve_only_odd_vs_even"]  # one pass each: the passes' own ratio
+    assert noise["ttft_s_p50"] == pytest.approx(serving["serve_only"]["runs"][1]["ttft_s"]["p50"]
+                                                / serving["serve_only"]["runs"][0]["ttft_s"]["p50"])
     assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["cpu_model"]
     plot({**result, "serving": None}, tmp_path / "training-only.png")  # --requests 0
     assert (tmp_path / "training-only.png").stat().st_size > 0
