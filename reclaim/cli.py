@@ -639,5 +639,14 @@ def grpo(
                f"step time {last.get('step_time', float('nan')):.1f} s; log {cfg.output_dir}/log.jsonl")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The `reclaim` command: malloc with transparent huge pages (see reclaim/hugepages.py), then
+    the commands."""
+    from reclaim.hugepages import enable
+
+    enable()
     app()
+
+
+if __name__ == "__main__":
+    main()

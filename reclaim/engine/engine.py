@@ -119,6 +119,9 @@ class Engine:
         # False: a request is served unrecorded when another one waits for its first token (a
         # recorded prefill is slower, and would hold that one up)
         self.record_when_queued = True
+        # may_record(prompt_tokens): whether a recorded request's prefill starting now is recorded
+        # (None: always); a refused one is served unrecorded, as above
+        self.may_record: Callable[[int], bool] | None = None
         self.num_recorded = 0
         self.num_record_failures = 0
         self.num_record_skipped = 0
@@ -430,6 +433,10 @@ class Engine:
                 self.num_record_skipped += 1
                 continue
             p = seq.num_prompt_tokens
+            if self.may_record is not None and not self.may_record(p):
+                seq.record = False
+                self.num_record_skipped += 1
+                continue
             if not self.blocks.allocate(seq.request_id, p):
                 continue  # no room for the whole prompt now: an ordinary prefill, not recorded
             try:

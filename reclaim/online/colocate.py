@@ -10,7 +10,8 @@ with s = max_ttft_slowdown and rho the share of recent time the engine spent ser
 makes extra work cost latency more the busier serving is; see `credit_rate`); the earned time is
 spent once it covers the step's next unit (a unit as long as the optimizer step waits for credit
 rather than overrunning a small slice), and only after steps that leave no request waiting for its
-first token (a prefill never waits for training); while it is idle, training runs in short slices
+first token (a prefill never waits for training); recording a prefill, which lengthens its step, is
+paid from the same credit while other requests share the engine (`may_record`); while it is idle, training runs in short slices
 that let a new request in within about one unit's work. With max_feedback_wait_s a step waits for a
 full batch of feedback (or that long), so steps are fewer and the records they reuse fresher. The
 optimizer step changes the weights of the served module between two engine steps, and the engine
@@ -84,6 +85,7 @@ class Colocated:
         self._served: deque[tuple[float, float]] = deque()  # (end, seconds) of recent busy steps
         engine.recorder = self.record
         engine.record_when_queued = learner.cfg.record_when_queued
+        engine.may_record = self.may_record
         engine.weights_version = learner.version  # a resumed learner has trained already
         self.slices = TrainingSlices(learner.model, learner.train_step)
         learner.trainer.pause = self.slices.boundary
@@ -92,11 +94,27 @@ class Colocated:
         self.credit_s = 0.0  # training time earned by busy engine steps, not yet used
         self.steps = 0
         self.deferred = 0  # slices not granted because a request waited for its first token
+        self.records_refused = 0  # prefills served unrecorded: the credit did not cover recording
 
     def should_record(self, requested: bool) -> bool:
         """Whether to record a request (the --record policy; `requested` is its
         retain_for_training)."""
         return self.learner.should_record(requested)
+
+    def may_record(self, prompt_tokens: int) -> bool:
+        """Whether a retained request's prefill is recorded now. Recording makes its engine step
+        longer (`CostModel.record_extra_s`): serving's work grows as with a training slice, so
+        while other requests share the engine it is paid from the same credit, and refused (the
+        request served unrecorded; training recomputes its prompt) when the credit does not cover
+        it; a request alone in the engine pays for itself (its prefill grows by about that)."""
+        extra = self.learner.trainer.cost.record_extra_s(prompt_tokens)
+        if len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting) <= 1:
+            return True
+        if self.credit_s < extra:
+            self.records_refused += 1
+            return False
+        self.credit_s -= extra
+        return True
 
     def record(self, request_id: str, prompt_ids: list[int], version: int
                ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -198,7 +216,7 @@ class Colocated:
         rho = self.utilization()
         out = {**self.learner.metrics(), "train_seconds": self.train_s, "serve_seconds": self.serve_s,
                "train_steps": self.steps, "train_slices": self.slices.slices,
-               "train_slices_deferred": self.deferred,
+               "train_slices_deferred": self.deferred, "records_refused": self.records_refused,
                "serving_utilization": rho, "train_credit_rate": credit_rate(self.max_slowdown, rho),
                "train_slice_overshoot_max_s": self.slices.max_overshoot_s,
                "train_slice_overshoot_mean_s": self.slices.overshoot_s / max(1, self.slices.slices)}

@@ -121,15 +121,28 @@ class CostModel:
     """What reusing a sample's record saves and costs, in seconds. Reuse skips the prompt's
     forward, forward_fixed_s + forward_s_per_token * P for P prompt tokens (the backward is the
     same either way), and pays reuse_overhead_s (attaching the record) plus reload_s_per_byte
-    per byte of a record offloaded to host memory. The planner reuses when it saves more."""
+    per byte of a record offloaded to host memory. The planner reuses when it saves more.
+    Serving pays for a record too (`record_extra_s`): the prefill's forward with autograd over
+    the inference one, plus a forward of its own for the decode rows of that engine step (a
+    recorded prefill is not batched with them), inference_fixed_s."""
 
     forward_fixed_s: float
     forward_s_per_token: float
     reuse_overhead_s: float
     reload_s_per_byte: float
+    inference_fixed_s: float = 0.0
+    inference_s_per_token: float = 0.0
 
     def saved_s(self, prompt_tokens: int) -> float:
         return self.forward_fixed_s + self.forward_s_per_token * prompt_tokens
+
+    def record_extra_s(self, prompt_tokens: int) -> float:
+        """Serving seconds recording a prompt of this many tokens adds to its engine step; 0
+        when the inference forward was not measured."""
+        if not (self.inference_fixed_s or self.inference_s_per_token):
+            return 0.0
+        inference = self.inference_fixed_s + self.inference_s_per_token * prompt_tokens
+        return max(self.saved_s(prompt_tokens) - inference, 0.0) + self.inference_fixed_s
 
     def cost_s(self, info: RecordInfo) -> float:
         reload = info.nbytes * self.reload_s_per_byte if info.where == "host" else 0.0
@@ -143,8 +156,8 @@ class CostModel:
     @classmethod
     def measure(cls, model: torch.nn.Module, prompt_tokens: Sequence[int] = (64, 256),
                 response_tokens: int = 32, repeats: int = 2) -> "CostModel":
-        """Time on `model` the prompt's forward with autograd at two prompt lengths (the line
-        through them), the reuse overhead (a reused step less the recompute step without its
+        """Time on `model` the prompt's forward with autograd and without at two prompt lengths
+        (the lines through them), the reuse overhead (a reused step less the recompute step without its
         prompt forward) at the shorter, and a host reload; the best of `repeats` runs (the
         machine may be shared)."""
         vocab = model.config.vocab_size
@@ -160,13 +173,21 @@ class CostModel:
                 out = min(out, time.perf_counter() - t)
             return out
 
-        forward = []
+        forward, inference = [], []
         for p in prompt_tokens:
             ids = torch.randint(vocab, (1, p), generator=g)
             with torch.enable_grad():
                 forward.append(best(lambda _: model(ids, return_hidden=True, compute_logits=False)))
-        (p0, f0), (p1, f1) = (prompt_tokens[0], forward[0]), (prompt_tokens[-1], forward[-1])
-        slope = max((f1 - f0) / max(p1 - p0, 1), 0.0)
+            with torch.inference_mode():
+                inference.append(best(lambda _: model(ids, return_hidden=True, compute_logits=False)))
+
+        def line(ts: list[float]) -> tuple[float, float]:
+            """(fixed seconds, seconds per token) through the two lengths' times."""
+            slope = max((ts[-1] - ts[0]) / max(prompt_tokens[-1] - prompt_tokens[0], 1), 0.0)
+            return max(ts[0] - slope * prompt_tokens[0], 0.0), slope
+
+        p0, f0 = prompt_tokens[0], forward[0]
+        (fixed, slope), (inf_fixed, inf_slope) = line(forward), line(inference)
         prompt = torch.randint(vocab, (p0,), generator=g).tolist()
         resp = torch.randint(vocab, (response_tokens,), generator=g).tolist()
         with torch.enable_grad():
@@ -181,7 +202,7 @@ class CostModel:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         per_byte = (time.perf_counter() - t) / buf.nbytes
-        return cls(max(f0 - slope * p0, 0.0), slope, max(reuse - (recompute - f0), 0.0), per_byte)
+        return cls(fixed, slope, max(reuse - (recompute - f0), 0.0), per_byte, inf_fixed, inf_slope)
 
 
 @dataclass(frozen=True)

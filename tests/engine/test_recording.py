@@ -95,3 +95,23 @@ def test_with_record_when_queued_off_a_request_is_recorded_only_when_no_other_wa
     assert [outs[i].token_ids for i in (a, b, c)] == [w.token_ids for w in want]
     assert [call[0] for call in rec.calls] == [a]
     assert (eng.stats()["num_recorded"], eng.stats()["num_record_skipped"]) == (1, 2)
+
+
+def test_a_recording_refused_by_may_record_is_served_unrecorded():
+    """Co-location's credit check (`may_record(prompt_tokens)`): a refused request is served as
+    an ordinary prefill (counted as skipped), with the same output."""
+    model, _ = make_pair(seed=3)
+    prompts = [[5, 9, 33, 70, 12, 3, 40], list(range(20, 41))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = Engine(model, num_blocks=64, block_size=4).generate(prompts, params)
+    rec = GradRecorder(model)
+    eng = Engine(model, num_blocks=64, block_size=4, recorder=rec)
+    asked = []
+    eng.may_record = lambda n: asked.append(n) or n < 10
+    ids = [eng.add_request(None, p, params, record=True) for p in prompts]
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [outs[i].token_ids for i in ids] == [w.token_ids for w in want]
+    assert sorted(asked) == [7, 21] and [call[0] for call in rec.calls] == [ids[0]]
+    assert (eng.stats()["num_recorded"], eng.stats()["num_record_skipped"]) == (1, 1)

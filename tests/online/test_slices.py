@@ -240,6 +240,28 @@ def test_credit_is_spent_only_when_it_covers_the_steps_next_unit(tmp_path):
     colocated.close()
 
 
+def test_recording_is_paid_from_the_credit_unless_the_request_is_alone(tmp_path):
+    """A recorded prefill lengthens its engine step by CostModel.record_extra_s: while other
+    requests share the engine it is paid from training's credit and refused (served unrecorded)
+    when the credit falls short; a request alone is recorded and pays nothing."""
+    learner = learner_with_feedback(tmp_path, "record-credit")
+    learner.trainer.cost = CostModel(0.0, 0.001, 0.0, 0.0, inference_fixed_s=0.05, inference_s_per_token=0.001)
+    sched = SimpleNamespace(running=["a"], waiting=[])
+    engine = SimpleNamespace(model=learner.model, scheduler=sched, has_unfinished=lambda: True,
+                             awaits_first_token=lambda: False, weights_changed=lambda: None)
+    colocated = Colocated(learner, engine, max_ttft_slowdown=0.1)
+    assert engine.may_record == colocated.may_record  # the engine asks it before each recording
+    assert colocated.may_record(100) and colocated.credit_s == 0.0  # alone
+    sched.running.append("b")
+    assert not colocated.may_record(100) and colocated.metrics()["records_refused"] == 1
+    colocated.credit_s = 0.08
+    assert colocated.may_record(100) and colocated.credit_s == pytest.approx(0.03)  # extra 0.05 s
+    sched.running.pop()
+    sched.waiting.append("c")  # one waiting counts as sharing the engine too
+    assert not colocated.may_record(100) and colocated.records_refused == 2
+    colocated.close()
+
+
 def mm1_sojourn_ratio(rho: float, extra: float, n: int = 200_000, seed: int = 0) -> float:
     """Mean time in an M/M/1 queue (arrival rate rho, mean service 1) with every service
     lengthened by `extra`, over the mean without: Lindley's recursion on the same random draws."""

@@ -55,6 +55,17 @@ def test_cost_model_is_measured_on_the_model():
     assert cost.cost_s(RecordInfo("present", 0, "host", 10**6, 32)) > cost.cost_s(
         RecordInfo("present", 0, "device", 10**6, 32))
     assert all(p.grad is None for p in model.parameters())  # measuring leaves no gradients
+    # serving's extra for a record: autograd's forward over inference's, plus a forward of its own
+    # for the step's decode rows
+    assert cost.inference_fixed_s > 0 and cost.inference_s_per_token >= 0
+    assert cost.record_extra_s(32) >= cost.inference_fixed_s
+
+
+def test_record_extra_is_the_autograd_forward_over_inference_plus_a_decode_forward():
+    cost = CostModel(0.02, 0.003, 0.0, 0.0, inference_fixed_s=0.01, inference_s_per_token=0.002)
+    assert cost.record_extra_s(100) == pytest.approx((0.02 + 0.3) - (0.01 + 0.2) + 0.01)
+    assert CostModel(0.02, 0.003, 0.0, 0.0).record_extra_s(100) == 0.0  # inference not measured
+    assert CostModel.fixed("reuse").record_extra_s(100) == 0.0
 
 
 def make_log(path, n, prompt_len=8):

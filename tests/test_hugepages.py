@@ -1,0 +1,55 @@
+"""The `reclaim` command re-executes itself once with glibc's malloc on transparent huge pages
+(reclaim/hugepages.py): same pid, the tunable added to what GLIBC_TUNABLES had, off with
+RECLAIM_HUGEPAGES=0; and fresh tensor memory then costs far fewer page faults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reclaim import hugepages
+
+SHOW = ("import os, reclaim.hugepages as h; print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), flush=True); "
+        "h.enable(); print(os.getpid(), os.environ.get('GLIBC_TUNABLES'))")
+glibc = pytest.mark.skipif(not hugepages.wanted({}), reason="not Linux with glibc")
+
+
+def _run(code: str, **env: str) -> list[str]:
+    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "RECLAIM_HUGEPAGES")}
+    out = subprocess.run([sys.executable, "-c", code], env={**environ, **env}, capture_output=True,
+                         text=True, timeout=120, check=True)
+    return out.stdout.splitlines()
+
+
+@glibc
+def test_the_command_runs_again_with_the_tunable_in_the_same_process():
+    lines = _run(SHOW, GLIBC_TUNABLES="glibc.malloc.trim_threshold=4096")
+    # printed before enable(), then by the process it re-executed (before and after its enable())
+    pid = lines[0].split()[0]
+    assert lines == [f"{pid} glibc.malloc.trim_threshold=4096"] + 2 * [
+        f"{pid} glibc.malloc.trim_threshold=4096:{hugepages.TUNABLE}"]
+
+
+@glibc
+def test_off_or_already_set_it_runs_once():
+    assert len(_run(SHOW, RECLAIM_HUGEPAGES="0")) == 2
+    assert _run(SHOW, GLIBC_TUNABLES=hugepages.TUNABLE)[1].endswith(f" {hugepages.TUNABLE}")
+    assert not hugepages.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@glibc
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_fresh_tensor_memory_faults_far_less():
+    touch = ("import resource, torch; f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; "
+             "x = torch.empty(2**26); x.fill_(1.0); "
+             "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)")
+    plain = int(_run(touch, RECLAIM_HUGEPAGES="0")[-1])
+    huge = int(_run("import reclaim.hugepages as h; h.enable()\n" + touch)[-1])
+    assert plain > 60_000 and huge * 10 < plain, (plain, huge)  # 256 MiB: 65,536 pages of 4 KiB
