@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -428,18 +429,16 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
             tmp.cleanup()
 
 
-def _release_freed_memory() -> None:
-    """Hand the allocator's freed memory back between serving passes (glibc keeps what a pass's
-    records and training freed: without this, RSS grew 3.3 -> 4.9 -> 5.8 GB over three 24-request
-    passes, down to 1.7-3.1 GB with it, and a 9-pass run was killed for memory at 19 GB)."""
-    import ctypes
+def _collect_between_passes() -> None:
+    """Free what a pass left to the garbage collector. Freed memory stays with malloc for the next
+    pass (the `reclaim` command's tunables, reclaim/hugepages.py), as it would in a server that
+    keeps running: handing it back to the kernel after each pass (malloc_trim, as this did before)
+    made every recorded prefill of the next pass touch fresh memory, ~2x an unrecorded one on this
+    project's VMs. The record store's budgets bound what the passes hold (peak RSS per pass in the
+    JSON, `max_rss_bytes`)."""
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def ratios_of(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
@@ -463,7 +462,8 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
         for side in names[rep % 3:] + names[:rep % 3]:  # drifting load hits every side alike
             kw = sides[side]
             r = serve_stream(model, tokenizer, stream, spec, cost=cost, **kw)
-            _release_freed_memory()
+            r["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # so far
+            _collect_between_passes()
             runs[side].append(r)
             log(f"{side}: TTFT p50 {r['ttft_s']['p50']:.3f} s, mean {r['ttft_s']['mean']:.3f} s; TPOT p50 "
                 f"{r['tpot_s']['p50']:.3f} s" + (f"; {r['learning']['train_steps']} training steps"
@@ -472,7 +472,7 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
     def pooled(rs: list[dict[str, Any]]) -> dict[str, Any]:
         """Every request of every repeat together (one pass's percentiles swing by tens of % with
         where the training steps fall); each pass's own figures under `runs`."""
-        out = {**rs[-1], "runs": [{k: r[k] for k in ("ttft_s", "tpot_s", "seconds", "learning") if k in r}
+        out = {**rs[-1], "runs": [{k: r[k] for k in ("ttft_s", "tpot_s", "seconds", "learning", "max_rss_bytes") if k in r}
                                   for r in rs]}
         for key in ("ttft", "tpot"):
             out[f"{key}_s"] = _percentiles([x for r in rs for x in r[f"{key}_each_s"]])
