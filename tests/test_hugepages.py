@@ -46,9 +46,13 @@ def test_off_or_already_set_it_runs_once():
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+madvise_thp = pytest.mark.skipif(not THP.exists() or "[madvise]" not in THP.read_text(),
+                                 reason="transparent huge pages not on request (madvise) here: "
+                                        "plain malloc would fault as little or as much")
+
+
 @glibc
-@pytest.mark.skipif(not THP.exists() or "[madvise]" not in THP.read_text(),
-                    reason="transparent huge pages not on request (madvise) here: nothing to compare")
+@madvise_thp
 def test_fresh_tensor_memory_faults_far_less():
     touch = ("import resource, torch; f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; "
              "x = torch.empty(2**26); x.fill_(1.0); "
@@ -59,6 +63,7 @@ def test_fresh_tensor_memory_faults_far_less():
 
 
 @glibc
+@madvise_thp
 def test_freed_memory_is_reused_without_faults():
     """Blocks under 32 MiB freed by one forward are there for the next one: 64 MiB of 16 MiB
     tensors allocated, freed and allocated again faults the second time only without the tunables."""
