@@ -468,7 +468,8 @@ def bench_online(
                                             "'trainable tokens under a memory budget'."),
     requests: int = typer.Option(24, help="Requests in the serving stream (0 skips the serving side)."),
     serve_repeats: int = typer.Option(1, "--serve-repeats", help="Passes of the stream per serving side, "
-                                      "interleaved (order rotated); TTFT/TPOT percentiles over all of them, per pass, and serving alone odd vs even passes."),
+                                      "interleaved (order rotated); TTFT/TPOT percentiles over all of "
+                                      "them, per pass, and serving alone odd vs even passes."),
     rate: float = typer.Option(0.5, help="Poisson arrival rate of the stream, requests/s."),
     scale: float = typer.Option(0.15, help="Multiplies ShareGPT's median turn lengths in the stream."),
     feedback_share: float = typer.Option(0.5, help="Share of served responses given feedback."),

@@ -36,6 +36,7 @@ user/assistant messages before a last user message, chat-templated.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import resource
@@ -429,18 +430,6 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
             tmp.cleanup()
 
 
-def _collect_between_passes() -> None:
-    """Free what a pass left to the garbage collector. Freed memory stays with malloc for the next
-    pass (the `reclaim` command's tunables, reclaim/hugepages.py), as it would in a server that
-    keeps running: handing it back to the kernel after each pass (malloc_trim, as this did before)
-    made every recorded prefill of the next pass touch fresh memory, ~2x an unrecorded one on this
-    project's VMs. The record store's budgets bound what the passes hold (peak RSS per pass in the
-    JSON, `max_rss_bytes`)."""
-    import gc
-
-    gc.collect()
-
-
 def ratios_of(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
     """TTFT and TPOT percentiles of `run` over `base`'s."""
     return {f"{k}_{s}": run[k][s] / base[k][s] if base[k][s] and run[k][s] is not None else None
@@ -459,11 +448,17 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
     names = list(sides)
     for rep in range(spec.serve_repeats):  # interleaved, the order rotated each repeat, so
-        for side in names[rep % 3:] + names[:rep % 3]:  # drifting load hits every side alike
+        k = rep % len(names)  # drifting load hits every side alike
+        for side in names[k:] + names[:k]:
             kw = sides[side]
             r = serve_stream(model, tokenizer, stream, spec, cost=cost, **kw)
             r["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # so far
-            _collect_between_passes()
+            # what the pass left to the collector; freed memory stays with malloc for the next
+            # pass (reclaim/hugepages.py), as in a server that keeps running: handing it back
+            # (malloc_trim, as this did before) made the next pass's recorded prefills touch fresh
+            # memory, ~2x an unrecorded prefill on this project's VMs; the record store's budgets
+            # bound what passes hold (peak RSS per pass: max_rss_bytes)
+            gc.collect()
             runs[side].append(r)
             log(f"{side}: TTFT p50 {r['ttft_s']['p50']:.3f} s, mean {r['ttft_s']['mean']:.3f} s; TPOT p50 "
                 f"{r['tpot_s']['p50']:.3f} s" + (f"; {r['learning']['train_steps']} training steps"
@@ -472,17 +467,14 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
     def pooled(rs: list[dict[str, Any]]) -> dict[str, Any]:
         """Every request of every repeat together (one pass's percentiles swing by tens of % with
         where the training steps fall); each pass's own figures under `runs`."""
-        out = {**rs[-1], "runs": [{k: r[k] for k in ("ttft_s", "tpot_s", "seconds", "learning", "max_rss_bytes") if k in r}
-                                  for r in rs]}
+        keep = ("ttft_s", "tpot_s", "seconds", "learning", "max_rss_bytes")
+        out = {**rs[-1], "runs": [{k: r[k] for k in keep if k in r} for r in rs]}
         for key in ("ttft", "tpot"):
             out[f"{key}_s"] = _percentiles([x for r in rs for x in r[f"{key}_each_s"]])
             del out[f"{key}_each_s"]
         return out
 
     plain, record, learn = (pooled(runs[k]) for k in sides)
-
-    def ratios(run: dict[str, Any]) -> dict[str, float | None]:
-        return ratios_of(run, plain)
 
     def per_pass(side: str) -> dict[str, list[float]]:
         """Each repeat's pass against serving alone in the same repeat."""
@@ -492,7 +484,7 @@ def bench_serving(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
     prompts = [len(p) for _, p, _ in stream]
     out = dict(prompt_tokens=_percentiles(prompts), output_tokens=[n for _, _, n in stream],
                serve_only=plain, serve_and_record=record, serve_and_learn=learn,
-               slowdown=ratios(learn), slowdown_recording_only=ratios(record),
+               slowdown=ratios_of(learn, plain), slowdown_recording_only=ratios_of(record, plain),
                slowdown_per_pass=per_pass("serve_and_learn"),
                slowdown_recording_only_per_pass=per_pass("serve_and_record"))
     if spec.serve_repeats >= 2:  # the noise floor: serving alone against itself, same work both

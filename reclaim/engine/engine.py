@@ -428,13 +428,10 @@ class Engine:
             seq = self._requests[c.request_id].seq
             if not (seq.record and c.start == 0 and c.is_prefill):
                 continue
-            if not self.record_when_queued and self._awaiting_first_token(but=seq.request_id):
-                seq.record = False  # served unrecorded (training recomputes its prompt)
-                self.num_record_skipped += 1
-                continue
             p = seq.num_prompt_tokens
-            if self.may_record is not None and not self.may_record(p):
-                seq.record = False
+            if (not self.record_when_queued and self._awaiting_first_token(but=seq.request_id)) \
+                    or (self.may_record is not None and not self.may_record(p)):
+                seq.record = False  # served unrecorded (training recomputes its prompt)
                 self.num_record_skipped += 1
                 continue
             if not self.blocks.allocate(seq.request_id, p):

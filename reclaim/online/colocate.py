@@ -11,9 +11,10 @@ makes extra work cost latency more the busier serving is; see `credit_rate`); th
 spent once it covers the step's next unit (a unit as long as the optimizer step waits for credit
 rather than overrunning a small slice), and only after steps that leave no request waiting for its
 first token (a prefill never waits for training); recording a prefill, which lengthens its step, is
-paid from the same credit while other requests share the engine (`may_record`); while it is idle, training runs in short slices
-that let a new request in within about one unit's work. With max_feedback_wait_s a step waits for a
-full batch of feedback (or that long), so steps are fewer and the records they reuse fresher. The
+paid from the same credit while other requests share the engine (`may_record`); while it is idle,
+training runs in short slices that let a new request in within about one unit's work. With
+max_feedback_wait_s a step waits for a full batch of feedback (or that long), so steps are fewer and
+the records they reuse fresher. The
 optimizer step changes the weights of the served module between two engine steps, and the engine
 bumps its version, so every response reports the version that produced it.
 

@@ -157,9 +157,9 @@ class CostModel:
     def measure(cls, model: torch.nn.Module, prompt_tokens: Sequence[int] = (64, 256),
                 response_tokens: int = 32, repeats: int = 2) -> "CostModel":
         """Time on `model` the prompt's forward with autograd and without at two prompt lengths
-        (the lines through them), the reuse overhead (a reused step less the recompute step without its
-        prompt forward) at the shorter, and a host reload; the best of `repeats` runs (the
-        machine may be shared)."""
+        (the lines through them), the reuse overhead (a reused step less the recompute step
+        without its prompt forward) at the shorter, and a host reload; the best of `repeats` runs
+        (the machine may be shared)."""
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(0)
 

@@ -44,7 +44,8 @@ def test_bench_online_writes_every_figure(tiny_model_dir, tmp_path, one_thread):
     recorded = serving["serve_and_record"]["learning"]  # recording alone: no training
     assert recorded["train_steps"] == 0 and recorded["record_puts"] + recorded["record_skipped"] == 6
     assert set(serving["slowdown_recording_only"]) == set(serving["slowdown"])
-    for side, key in (("serve_and_learn", "slowdown_per_pass"), ("serve_and_record", "slowdown_recording_only_per_pass")):
+    for side, key in (("serve_and_learn", "slowdown_per_pass"),
+                      ("serve_and_record", "slowdown_recording_only_per_pass")):
         runs, base = serving[side]["runs"], serving["serve_only"]["runs"]
         assert serving[key]["ttft_s_mean"] == pytest.approx(
             [r["ttft_s"]["mean"] / b["ttft_s"]["mean"] for r, b in zip(runs, base)])
