@@ -21,6 +21,7 @@ from reclaim.engine.sampling import keyed_uniform, probs, sample
 from reclaim.engine.speculative import Draft, DraftRequest
 from reclaim.models.cache import DenseCache
 from reclaim.models.drafter import EagleDrafter, draft_head, load_drafter
+from reclaim.models.kernels.linear import linear
 
 
 @dataclass
@@ -85,7 +86,7 @@ class EagleProposer:
             rows, ids = draft_head(self.drafter, self.target)
             self._head_rows = (w._version, rows.contiguous() if ids is not None else rows, ids)
         _, rows, ids = self._head_rows
-        return torch.nn.functional.linear(g, rows).float(), ids
+        return linear(g, rows).float(), ids
 
     @classmethod
     def load(cls, path: str | os.PathLike, target: torch.nn.Module, **tree: int) -> "EagleProposer":

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from reclaim.models.cache import AttentionCache
+from reclaim.models.kernels.linear import Linear
 from reclaim.models.llama import DecoderLayer, LlamaConfig, rope_inv_freq
 
 WEIGHTS_NAME = "model.safetensors"
@@ -40,7 +41,7 @@ class EagleDrafter(nn.Module):
         super().__init__()
         self.config = dataclasses.replace(cfg, num_hidden_layers=1)
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(self.config, 0)])
         self.layers[0].input_layernorm = nn.Identity()
         self.register_buffer("inv_freq", rope_inv_freq(self.config), persistent=False)

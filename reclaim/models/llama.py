@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reclaim.models.cache import AttentionCache, causal_mask, needs_mask
+from reclaim.models.kernels.linear import Linear
 from reclaim.models.norm import RMSNorm
 
 ARCHITECTURES = {
@@ -247,10 +248,10 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
+        self.q_proj = Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.nh * self.hd, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -279,9 +280,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -320,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

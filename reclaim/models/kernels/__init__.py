@@ -1,1 +1,2 @@
-"""Kernels the models run: plain PyTorch references today, faster ones (Triton) beside them later."""
+"""Kernels the models run: the Mamba scan in plain PyTorch (`scan`), and a C kernel for the
+few-row matrix products of decoding on a CPU (`linear`, compiled on first use)."""

@@ -1,0 +1,132 @@
+"""Linear layers that decode fast on a CPU: `small_linear.c` for a few rows, torch otherwise.
+
+`Linear` is an `nn.Linear` (same parameters, same state dict, autograd as before) whose forward
+sends inference over at most `SMALL_ROWS` rows of float32 on a CPU to the C kernel: a decode step,
+a speculative verify row, a drafter step. Anything else (prefill, training, other dtypes and
+devices) runs `F.linear` as before.
+
+The kernel is compiled with the system C compiler on first use, for this CPU (`-march=native`),
+into `cache_root()/kernels/` (once across processes). Without a compiler, on another OS, or with
+`RECLAIM_SMALL_LINEAR=0`, everything runs `F.linear`; `status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reclaim.paths import cache_root
+
+SOURCE = Path(__file__).with_name("small_linear.c")
+# Rows up to which the kernel beats MKL/oneDNN (SmolLM2's shapes, 1 and 2 threads; at 16 rows
+# and 1 thread MKL is faster again).
+SMALL_ROWS = 8
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None  # set once loading failed or was switched off
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on: the source, the compiler and this CPU's features."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(platform.machine().encode())
+    try:
+        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
+        h.update(flags[0].encode() if flags else b"")
+    except OSError:
+        pass
+    h.update(subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.encode())
+    return h.hexdigest()[:16]
+
+
+def _compile(out_dir: Path) -> None:
+    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o",
+           str(out_dir / "small_linear.so")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None where it cannot be had."""
+    global _lib, _why_not
+    if _lib is not None or _why_not is not None:
+        return _lib
+    if os.environ.get("RECLAIM_SMALL_LINEAR", "1") == "0":
+        _why_not = "switched off by RECLAIM_SMALL_LINEAR=0"
+        return None
+    if sys.platform != "linux" or shutil.which("cc") is None:
+        _why_not = f"needs Linux and a C compiler ('cc'); platform {sys.platform!r}, cc {shutil.which('cc')!r}"
+        return None
+    from reclaim.models.loading import build_once
+
+    try:
+        target = build_once(cache_root() / "kernels" / f"small_linear-{_cpu_key()}", _compile)
+        # torch has loaded its libgomp.so.1, so the kernel shares torch's OpenMP threads.
+        lib = ctypes.CDLL(str(target / "small_linear.so"))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _why_not = f"could not build the kernel: {e}"
+        warnings.warn(f"reclaim: small-row linear kernel unavailable, using F.linear ({_why_not})", stacklevel=2)
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_long
+    lib.small_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    lib.small_linear.restype = None
+    _lib = lib
+    return lib
+
+
+def status() -> str:
+    """'on', or why the kernel is not used."""
+    return "on" if _load() is not None else f"off: {_why_not}"
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `small_linear` would take this product: float32 on a CPU, at most SMALL_ROWS rows,
+    no gradient wanted."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.numel() <= SMALL_ROWS * x.shape[-1]
+        and x.numel() > 0
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and _load() is not None
+    )
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias through the kernel (call `eligible` first); x [..., K], weight [N, K]."""
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    b = None if bias is None else bias.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    _lib.small_linear(x2.data_ptr(), x2.stride(0), w.data_ptr(), None if b is None else b.data_ptr(),
+                      y.data_ptr(), n, x2.shape[0], n, k, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through `small_linear` where it is eligible."""
+    if eligible(x, weight):
+        return small_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs few-row float32 inference on a CPU through `small_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,100 @@
+"""The few-row CPU linear kernel (reclaim/models/kernels/small_linear.c) against F.linear."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reclaim.models.kernels import linear as kl
+
+needs_kernel = pytest.mark.skipif(kl.status() != "on", reason=f"kernel unavailable here: {kl.status()}")
+
+
+def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within fp32 rounding of a dot product of length K (scaled by sum |x_k w_k|)."""
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs())
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert ((got.double() - want).abs() <= 4e-7 * x.shape[-1] ** 0.5 * scale + 1e-30).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 5, 16, 33, 576])
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_float64_within_rounding_for_every_row_count(k, n, bias):
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for m in range(1, kl.SMALL_ROWS + 1):
+        x = torch.randn(m, k, generator=g)
+        _close(kl.small_linear(x, w, b), x, w, b)
+
+
+@needs_kernel
+def test_a_row_gives_bitwise_the_same_output_alone_or_among_others():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(1538, 576, generator=g), torch.randn(1538, generator=g)
+    x = torch.randn(8, 576, generator=g)
+    together = kl.small_linear(x, w, b)
+    for m in range(8):
+        assert torch.equal(kl.small_linear(x[m:m + 1], w, b), together[m:m + 1])
+    assert torch.equal(kl.small_linear(x[2:7], w, b), together[2:7])
+
+
+@needs_kernel
+def test_threads_split_the_outputs_without_changing_them():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(1030, 200, generator=g), torch.randn(5, 200, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kl.small_linear(x, w)
+        torch.set_num_threads(2)
+        two = kl.small_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_strided_and_batched_inputs():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(20, 48, generator=g)
+    x = torch.randn(48, 6, generator=g).t()  # [6, 48], last dim not contiguous
+    _close(kl.small_linear(x, w), x, w, None)
+    x3 = torch.randn(2, 3, 96, generator=g)[..., ::2]  # [2, 3, 48] with stride 2
+    got = kl.small_linear(x3, w)
+    assert got.shape == (2, 3, 20)
+    _close(got.reshape(6, 20), x3.reshape(6, 48), w, None)
+
+
+@needs_kernel
+def test_the_module_takes_the_kernel_only_for_few_row_inference():
+    torch.manual_seed(3)
+    lin = kl.Linear(32, 24)
+    ref = torch.nn.Linear(32, 24)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        assert kl.eligible(x, lin.weight)
+        assert torch.equal(lin(x), kl.small_linear(x, lin.weight, lin.bias))
+        assert not kl.eligible(torch.randn(kl.SMALL_ROWS + 1, 32), lin.weight)
+        assert not kl.eligible(x.double(), lin.weight)
+    # With gradients wanted it is F.linear, bitwise, and gradients flow.
+    assert not kl.eligible(x, lin.weight)
+    y = lin(x)
+    assert torch.equal(y, ref(x))
+    y.sum().backward()
+    assert lin.weight.grad is not None and torch.equal(lin.weight.grad, x.sum(0).expand(24, 32))
+
+
+def test_switched_off_by_the_environment_it_runs_f_linear():
+    code = ("from reclaim.models.kernels import linear as kl; import torch;"
+            "print(kl.status()); print(kl.eligible(torch.ones(1, 4), torch.ones(2, 4)))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RECLAIM_SMALL_LINEAR": "0"},
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "off: switched off by RECLAIM_SMALL_LINEAR=0" and out[1] == "False"
