@@ -389,8 +389,9 @@ def bench_engine(
     workloads: str = typer.Option("batch1,static,sharegpt",
                                   help="Comma-separated: batch1 (each prompt alone), static (one batch), "
                                        "sharegpt (continuous vs static batching)."),
-    heads: str = typer.Option("linear,auto", help="reclaim's LM-head kernels: linear (F.linear, as "
-                                                  "transformers), auto (oneDNN on CPU)."),
+    heads: str = typer.Option("linear,auto", help="reclaim's matmul kernels: linear (F.linear, as "
+                                                  "transformers), auto (its own few-row kernel and "
+                                                  "oneDNN on CPU)."),
     batch1_prompts: int = typer.Option(8, help="Prompts run one at a time for static batch 1."),
     static_batch: int = typer.Option(16, help="Batch size of the static point."),
     max_tokens: int = typer.Option(64, help="Static points: most tokens per prompt (greedy, stops at EOS)."),

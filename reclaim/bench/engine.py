@@ -12,9 +12,10 @@ Three workloads, both sides greedy on the same weights in one process:
   counts those requested tokens only, so the padding rows a static batch computes count for
   nothing.
 
-reclaim runs with each LM-head kernel in `heads`: 'linear' is plain `F.linear`, the kernel
-transformers uses (the same kernels on both sides); 'auto' lets the engine pick a oneDNN matmul
-on CPU that transformers does not get. The static points alternate sides `repeats` times and
+reclaim runs with each kernel choice in `heads`: 'linear' is plain `F.linear` in every layer and
+the LM head, the kernels transformers uses (the same kernels on both sides); 'auto' lets the
+engine use its own on CPU, which transformers does not get: the few-row C kernel
+(`models/kernels/small_linear.c`) for products of at most 8 rows and oneDNN for the head beyond. The static points alternate sides `repeats` times and
 report the median with min/max; the ShareGPT point runs once per side. Outputs are compared
 token for token (the ShareGPT point: each request's first L_i tokens). Writes JSON and a PNG.
 """
@@ -296,8 +297,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     rows = result["results"]
     sides = ["transformers"] + [f"reclaim[{h}]" for h in result["spec"]["heads"]]
     names = {"transformers": "transformers generate (static batches)",
-             "reclaim[linear]": "reclaim, head F.linear (same kernels)",
-             "reclaim[auto]": "reclaim, head oneDNN (auto)"}
+             "reclaim[linear]": "reclaim, F.linear (same kernels)",
+             "reclaim[auto]": "reclaim, own kernels (auto)"}
     width = 0.8 / len(sides)
     fig, ax = plt.subplots(figsize=(8, 4.2))
     top = 0.0

@@ -8,13 +8,14 @@ hidden states; `logits` applies the head only where the caller needs it.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from reclaim.engine.kv_cache import BlockManager, KVPool
-from reclaim.models.kernels.linear import eligible, small_linear
+from reclaim.models.kernels.linear import eligible, small_linear, torch_kernels
 
 HEAD_KERNELS = ("auto", "linear")
 
@@ -32,8 +33,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def head_kernel(device: torch.device, dtype: torch.dtype,
                 kind: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The matmul the engine uses for logits: 'auto' picks oneDNN for fp32 on CPU, 'linear' is
-    plain `F.linear` (what transformers uses; benchmarks compare both)."""
+    """The matmul the engine uses for logits: 'auto' picks reclaim's kernel or oneDNN for fp32 on
+    CPU, 'linear' is plain `F.linear` (what transformers uses; benchmarks compare both)."""
     if kind not in HEAD_KERNELS:
         raise ValueError(f"head kernel {kind!r} is unknown; allowed: {list(HEAD_KERNELS)}")
     if kind == "auto" and device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
@@ -90,6 +91,8 @@ class ModelRunner:
         self.pool = KVPool(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
                            cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
         self._head = head_kernel(device, dtype, head)
+        # head='linear' also keeps the layers on F.linear: transformers' kernels throughout.
+        self._kernels = torch_kernels if head == "linear" else nullcontext
         self.sliding_window = getattr(cfg, "sliding_window", None)
 
     def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
@@ -124,7 +127,8 @@ class ModelRunner:
         view = self.pool.view([self.blocks.tables[r.seq_id] for r in rows], [r.start for r in rows], new,
                               sliding_window=self.sliding_window, trees=[r.parents for r in rows])
         input_ids = torch.tensor([r.token_ids + [0] * (t - len(r.token_ids)) for r in rows], device=self.device)
-        return self.model(input_ids, view.positions, view, return_hidden=True, compute_logits=False).hidden
+        with self._kernels():
+            return self.model(input_ids, view.positions, view, return_hidden=True, compute_logits=False).hidden
 
     def run(self, rows: list[Row]) -> list[torch.Tensor]:
         """Final hidden states of every row's tokens ([len(token_ids), H] each), grouping rows of

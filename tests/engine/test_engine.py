@@ -10,6 +10,7 @@ from conftest import make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.models.hf import hf_generate, hf_logits
+from reclaim.models.kernels import linear as kl
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 70, 12, 3], [7, 8], list(range(20, 41)), [44] * 9]
@@ -39,6 +40,24 @@ def test_greedy_equals_transformers_generate(family):
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == _hf_greedy(hf, p, GREEDY.max_tokens)
         assert o.finish_reason == "length" and o.finished
+
+
+@pytest.mark.skipif(kl.status() != "on", reason="the few-row kernel is unavailable here")
+@pytest.mark.parametrize("head", ["auto", "linear"])
+def test_decode_runs_the_few_row_kernel_unless_head_is_linear(head, monkeypatch):
+    """Both equal transformers' greedy tokens; 'auto' decodes through small_linear, 'linear' never."""
+    ours, hf = make_pair(seed=3)
+    calls = []
+    real = kl.small_linear
+    monkeypatch.setattr(kl, "small_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    outs = _engine(ours, head=head).generate(PROMPTS[:2], GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == _hf_greedy(hf, p, GREEDY.max_tokens)
+    if head == "auto":
+        # the two rows decode together: 7 products a layer, 2 layers, each decode step
+        assert len(calls) >= (GREEDY.max_tokens - 1) * 7 * 2
+    else:
+        assert calls == []
 
 
 def test_batched_equals_one_at_a_time(tiny):

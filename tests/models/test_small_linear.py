@@ -98,3 +98,26 @@ def test_switched_off_by_the_environment_it_runs_f_linear():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RECLAIM_SMALL_LINEAR": "0"},
                          capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "off: switched off by RECLAIM_SMALL_LINEAR=0" and out[1] == "False"
+
+
+@needs_kernel
+def test_torch_kernels_turns_the_kernel_off_on_this_thread_only():
+    import threading
+
+    x, w = torch.ones(2, 16), torch.ones(4, 16)
+    seen = []
+    with torch.no_grad(), kl.torch_kernels():
+        assert not kl.eligible(x, w)
+        with kl.torch_kernels():
+            assert not kl.eligible(x, w)
+        assert not kl.eligible(x, w)
+
+        def other():
+            with torch.no_grad():
+                seen.append(kl.eligible(x, w))
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert seen == [True]
+    with torch.no_grad():
+        assert kl.eligible(x, w)

@@ -7,7 +7,8 @@ devices) runs `F.linear` as before.
 
 The kernel is compiled with the system C compiler on first use, for this CPU (`-march=native`),
 into `cache_root()/kernels/` (once across processes). Without a compiler, on another OS, or with
-`RECLAIM_SMALL_LINEAR=0`, everything runs `F.linear`; `status()` says which and why.
+`RECLAIM_SMALL_LINEAR=0`, everything runs `F.linear`; `status()` says which and why. Inside
+`torch_kernels()` this thread runs `F.linear` too (a baseline on transformers' kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +38,7 @@ SOURCE = Path(__file__).with_name("small_linear.c")
 SMALL_ROWS = 8
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None  # set once loading failed or was switched off
+_local = threading.local()  # .off: depth of torch_kernels() on this thread
 
 
 def _cpu_key() -> str:
@@ -90,6 +95,16 @@ def status() -> str:
     return "on" if _load() is not None else f"off: {_why_not}"
 
 
+@contextmanager
+def torch_kernels() -> Iterator[None]:
+    """Run F.linear everywhere on this thread inside (the kernels transformers runs)."""
+    _local.off = getattr(_local, "off", 0) + 1
+    try:
+        yield
+    finally:
+        _local.off -= 1
+
+
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` would take this product: float32 on a CPU, at most SMALL_ROWS rows,
     no gradient wanted."""
@@ -100,6 +115,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.numel() <= SMALL_ROWS * x.shape[-1]
         and x.numel() > 0
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not getattr(_local, "off", 0)
         and _load() is not None
     )
 
