@@ -15,9 +15,10 @@ Three workloads, both sides greedy on the same weights in one process:
 reclaim runs with each kernel choice in `heads`: 'linear' is plain `F.linear` in every layer and
 the LM head, the kernels transformers uses (the same kernels on both sides); 'auto' lets the
 engine use its own on CPU, which transformers does not get: the few-row C kernel
-(`models/kernels/small_linear.c`) for products of at most 8 rows and oneDNN for the head beyond. The static points alternate sides `repeats` times and
-report the median with min/max; the ShareGPT point runs once per side. Outputs are compared
-token for token (the ShareGPT point: each request's first L_i tokens). Writes JSON and a PNG.
+(`models/kernels/small_linear.c`) for products of at most 16 rows and oneDNN for the head beyond.
+The static points alternate sides `repeats` times and report the median with min/max; the
+ShareGPT point runs once per side. Outputs are compared token for token (the ShareGPT point: each
+request's first L_i tokens). Writes JSON and a PNG.
 """
 
 from __future__ import annotations

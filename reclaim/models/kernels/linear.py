@@ -33,9 +33,10 @@ from torch import nn
 from reclaim.paths import cache_root
 
 SOURCE = Path(__file__).with_name("small_linear.c")
-# Rows up to which the kernel beats MKL/oneDNN (SmolLM2's shapes, 1 and 2 threads; at 16 rows
-# and 1 thread MKL is faster again).
-SMALL_ROWS = 8
+# Rows up to which the kernel beats MKL and oneDNN (SmolLM2's shapes, 1 thread: its 30 layers'
+# products 50 / 81 / 107 ms for 8 / 16 / 24 rows against MKL's 70 / 91 / 112, even at 32; its
+# head 10 / 16.5 / 25 ms against oneDNN's 12.5 / 16.3 / 21).
+SMALL_ROWS = 16
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None  # set once loading failed or was switched off
 _local = threading.local()  # .off: depth of torch_kernels() on this thread
@@ -122,6 +123,9 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias through the kernel (call `eligible` first); x [..., K], weight [N, K]."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the small_linear kernel is {status()}")
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -129,7 +133,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     w = weight if weight.is_contiguous() else weight.contiguous()
     b = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _lib.small_linear(x2.data_ptr(), x2.stride(0), w.data_ptr(), None if b is None else b.data_ptr(),
+    lib.small_linear(x2.data_ptr(), x2.stride(0), w.data_ptr(), None if b is None else b.data_ptr(),
                       y.data_ptr(), n, x2.shape[0], n, k, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
