@@ -121,3 +121,20 @@ def test_torch_kernels_turns_the_kernel_off_on_this_thread_only():
     assert seen == [True]
     with torch.no_grad():
         assert kl.eligible(x, w)
+
+
+def test_a_compiler_that_fails_leaves_f_linear_with_a_warning(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "cc").write_text("#!/bin/sh\necho 'cc: no such luck' >&2\nexit 1\n")
+    (fake / "cc").chmod(0o755)
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from reclaim.models.kernels import linear as kl; import torch\n"
+            "with torch.no_grad(): y = kl.Linear(4, 2)(torch.ones(1, 4))\n"
+            "print(kl.status()); print(tuple(y.shape))")
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "RECLAIM_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    status, shape = done.stdout.strip().split("\n")
+    assert status.startswith("off: could not build the kernel:") and "cc: no such luck" in status
+    assert shape == "(1, 2)"
+    assert "small-row linear kernel unavailable" in done.stderr
