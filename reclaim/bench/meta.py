@@ -68,6 +68,8 @@ def run_metadata(argv: list[str] | None = None) -> dict[str, Any]:
     """Machine, torch threads, versions, git commit, command line and load average, as JSON data."""
     import torch
 
+    from reclaim.models.kernels.linear import status
+
     try:
         import transformers
         hf_version = transformers.__version__
@@ -84,6 +86,7 @@ def run_metadata(argv: list[str] | None = None) -> dict[str, Any]:
                     "cpus_usable": affinity, "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform(),
                     "load_average_at_start": load_average()},
+        "small_linear_kernel": status(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": hf_version},
         "git": git_state(),
