@@ -271,7 +271,8 @@ def train_mix(model: torch.nn.Module, prompt: list[int], resp: list[int], repeat
 def bench_training(model: torch.nn.Module, tokenizer: Any, spec: OnlineBenchSpec,
                    log: Callable[[str], None]) -> dict[str, Any]:
     """The training side: every mix, gradient errors on the first, the optimizer step apart."""
-    from reclaim.online.trainer import CostModel, adamw
+    from reclaim.online.trainer import CostModel
+    from reclaim.optim import adamw
 
     model.train()
     longest = max(p + r for p, r in spec.mixes)

@@ -80,3 +80,16 @@ class DenseCache:
         if not needs_mask(t, past, self.sliding_window):
             return k, v, None
         return k, v, causal_mask(t, past, k.device, self.sliding_window)
+
+
+class GivenMask:
+    """A cache that stores nothing: one forward whose tokens attend under a mask fixed up front
+    ([B, 1, T, T], True = attend), as when several sequences are packed into one row. The mask
+    must already apply `sliding_window` (the model config's)."""
+
+    def __init__(self, mask: torch.Tensor, sliding_window: int | None = None) -> None:
+        self.mask = mask
+        self.sliding_window = sliding_window
+
+    def update(self, layer, k, v):
+        return k, v, self.mask

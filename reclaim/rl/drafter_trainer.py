@@ -56,6 +56,7 @@ from reclaim.models.loading import as_dtype
 from reclaim.models.drafter import (
     EagleDrafter, draft_head, load_drafter, most_frequent, new_drafter, save_drafter,
 )
+from reclaim.optim import adamw
 from reclaim.paths import cache_root
 from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
@@ -301,7 +302,7 @@ def drafter_loss(drafter: EagleDrafter, target: torch.nn.Module, batch: Sequence
 def make_optimizer(drafter: EagleDrafter, lr: float, *, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
     """AdamW over the drafter's own weights (EAGLE's betas)."""
-    return torch.optim.AdamW(drafter.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    return adamw(list(drafter.parameters()), lr=lr, betas=betas, weight_decay=weight_decay)
 
 
 def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: DrafterBuffer, *,

@@ -13,7 +13,8 @@ gradient_accumulation_steps, its default):
    times), reference log-probs when beta > 0 (the starting model, frozen).
 4. gradient_accumulation_steps micro-batches of per_device_train_batch_size completions: the
    policy's log-probs of the completion tokens (a training forward with logits only at the
-   completion positions, divided by temperature), the clipped ratio loss with epsilon and
+   completion positions, divided by temperature; each distinct prompt runs once for all its
+   completions, packed behind it in one row: logps.py), the clipped ratio loss with epsilon and
    epsilon_high, plus beta * k3 KL, normalised per loss_type as TRL does; then one optimizer step.
 5. The new weights go into the engine (`update_weights`: version bumped; the next rollout starts
    from them, no K/V of old weights reused).
@@ -54,9 +55,11 @@ from reclaim.checkpoints import CHECKPOINT_PREFIX, trim_log
 from reclaim.checkpoints import checkpoints as list_checkpoints
 from reclaim.data.tasks import RG_PREFIX, TASK_FAMILIES, rg_names, rg_tasks
 from reclaim.engine.speculative import SpeculativeConfig
+from reclaim.optim import adamw
 from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
 from reclaim.rl.distributed import World, accumulating
+from reclaim.rl.logps import completion_logps, completion_mask
 from reclaim.rl.drafter_trainer import OnlineDrafter
 from reclaim.rl.rollout import AdaptiveRollout, RolloutStats
 from reclaim.schedule import SCHEDULES, lr_scheduler
@@ -325,41 +328,6 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     var = torch.nanmean((x - mean) ** 2, dim=dim)
     count = (~torch.isnan(x)).sum(dim=dim) if dim is not None else (~torch.isnan(x)).sum()
     return (var * count / (count - 1)).sqrt()
-
-
-def completion_logps(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
-                     completion_ids: Sequence[Sequence[int]], temperature: float = 1.0,
-                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, C] of each completion's tokens under `model` given its prompt (logits / temperature),
-    and the entropies there if asked; C is the longest completion, shorter rows padded with 0.
-
-    Each row is prompt + completion right-padded (causal attention: padding never reaches a real
-    token); logits are computed only at the C positions that predict completion tokens."""
-    device = next(model.parameters()).device
-    lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    t, c_max = max(lens), max(len(c) for c in completion_ids)
-    ids = torch.zeros(len(lens), t, dtype=torch.long)
-    targets = torch.zeros(len(lens), c_max, dtype=torch.long)
-    where = torch.zeros(len(lens), c_max, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        ids[i, :lens[i]] = torch.tensor(list(p) + list(c))
-        targets[i, :len(c)] = torch.tensor(list(c))
-        where[i] = (len(p) - 1 + torch.arange(c_max)).clamp(max=t - 1)
-    logits = model(ids.to(device), logit_positions=where.to(device)).logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logps = logp_all.gather(-1, targets.to(device)[..., None]).squeeze(-1)
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logps, ent
-
-
-def completion_mask(completion_ids: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
-    """[B, C] float: 1 at each completion's tokens, 0 at padding."""
-    c_max = max(len(c) for c in completion_ids)
-    lens = torch.tensor([len(c) for c in completion_ids])
-    return (torch.arange(c_max)[None] < lens[:, None]).float().to(device)
 
 
 def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, loss_type: str,
@@ -825,8 +793,8 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     if max(len(p) for p in prompts) >= max_len:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room to generate within the "
                          f"model's {limit} positions; lower max_prompt_length")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    opt = adamw(list(model.parameters()), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
     if last is not None:
         load_trainer_state(last, model, opt, sched, world)

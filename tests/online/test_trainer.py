@@ -310,7 +310,7 @@ def test_micro_batches_of_one_give_the_whole_batchs_gradient(tmp_path):
 def test_adamw_made_with_its_state_steps_as_torchs_own():
     """The trainer's AdamW holds its state from the start (no allocation in the first step
     between two serving steps) and steps exactly as torch's AdamW made the usual way."""
-    from reclaim.online.trainer import adamw
+    from reclaim.optim import adamw
 
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]

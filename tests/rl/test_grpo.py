@@ -14,7 +14,7 @@ from conftest import tiny_target
 from typer.testing import CliRunner
 
 from reclaim.config import ConfigError, load_config
-from reclaim.rl.grpo import GRPOConfig, build_dataset, checkpoints, completion_logps, grpo_loss, group_advantages, train
+from reclaim.rl.grpo import GRPOConfig, build_dataset, checkpoints, grpo_loss, group_advantages, train
 from reclaim.rl.rewards import RewardError, accuracy_reward, extract_answer, format_reward, load_reward, score
 
 
@@ -87,18 +87,6 @@ def test_clipping_and_kl_by_hand():
     k3 = 1 - math.log(2)
     assert loss.item() == pytest.approx((2 * -1 + 3 * 2) / 5 + 0.1 * k3)
     assert sums["kl"].item() == pytest.approx(5 * k3)
-
-
-def test_completion_logps_equal_a_full_forward():
-    """Logits only at completion positions of right-padded rows equal a full forward of each row."""
-    model = tiny_target(50)
-    prompts, comps = [[3, 4, 5], [6, 7]], [[8, 9], [10, 11, 12, 13]]
-    logps, ent = completion_logps(model, prompts, comps, temperature=0.7, entropy=True)
-    for i, (p, c) in enumerate(zip(prompts, comps)):
-        full = torch.log_softmax(model(torch.tensor([p + c])).logits[0] / 0.7, -1)
-        want = full[len(p) - 1:len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
-        torch.testing.assert_close(logps[i, :len(c)], want, atol=1e-5, rtol=1e-5)
-    assert ent.shape == logps.shape and bool((ent > 0).all())
 
 
 # ---- rewards -----------------------------------------------------------------------------------

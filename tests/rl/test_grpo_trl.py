@@ -14,7 +14,8 @@ from reclaim.rl.grpo import completion_logps, completion_mask, grpo_loss
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18]]
+# Groups of num_generations=2 share a prompt, as in GRPO: ours runs each prompt once (rl/logps.py).
+PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10]]
 COMPLETIONS = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30, 31, 32]]
 MAX_COMPLETION_LENGTH, GA, TEMPERATURE = 6, 2, 0.8
 
