@@ -29,7 +29,8 @@ COMPARED = ("loss", "reward", "reward_std", "grad_norm", "entropy", "completions
 
 def run(world: int, cfg: str, steps: int, accumulation: int, out: Path) -> float:
     args = ["-m", "reclaim.cli", "grpo", "--config", cfg, "--max_steps", str(steps),
-            "--save_steps", str(steps), "--gradient_accumulation_steps", str(accumulation // world),
+            "--save_steps", str(steps), "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", str(accumulation // world),
             "--output_dir", str(out), "--threads", "1"]
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     cmd = [sys.executable, *([] if world == 1 else launch), *args]
