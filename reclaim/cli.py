@@ -583,6 +583,7 @@ def bench_rl(
                                  "grpo` output_dir's last checkpoint against its starting model."),
     eval_prompts: int = typer.Option(100, help="--accuracy: held-out prompts."),
     threads: int = typer.Option(1, help="torch threads."),
+    bf16: bool = typer.Option(False, "--bf16", help="Every arm (TRL's too) trains under bfloat16 autocast."),
     out_dir: str = typer.Option("benchmarks", help="Where rl.json and rl.png (or rl-accuracy.json) go."),
 ) -> None:
     """GRPO steps with plain, static-speculative and adaptive (TLT) rollouts, and TRL's GRPOTrainer."""
@@ -597,7 +598,7 @@ def bench_rl(
                    f"{r['after']['accuracy']:.3f} after {r['steps']} steps; wrote {out_dir}/rl-accuracy.json")
         return
     common = dict(model=model, config=config, drafter=drafter, arms=arms.split(","), threads=threads,
-                  out_dir=out_dir)
+                  bf16=bf16, out_dir=out_dir)
     try:
         spec = quick_spec(**common) if quick else RLBenchSpec(
             steps=steps, prompts_per_step=prompts_per_step, num_generations=num_generations,

@@ -62,6 +62,7 @@ class RLBenchSpec:
     greedy_prompts: int = 4
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     threads: int | None = 1
+    bf16: bool = False  # every arm trains under bfloat16 autocast (GRPOConfig.bf16; TRL's bf16 too)
     out_dir: str = "benchmarks"
 
     def __post_init__(self) -> None:
@@ -112,7 +113,8 @@ def arm_configs(spec: RLBenchSpec, out: Path) -> dict[str, Any]:
     shared = {"max_steps": spec.steps, "num_generations": g, "per_device_train_batch_size": g,
               "gradient_accumulation_steps": spec.prompts_per_step, "max_completion_length": spec.max_completion_length,
               "save_steps": 0, "save_total_limit": 1, "logging_steps": 1, "log_completions": True,
-              "threads": spec.threads, "spec_threshold": spec.spec_threshold, "speculative": "none"}
+              "threads": spec.threads, "spec_threshold": spec.spec_threshold, "speculative": "none",
+              "bf16": spec.bf16}
     if spec.model is not None:
         shared["model"] = spec.model
     base = load_config(GRPOConfig, spec.config, shared)
@@ -199,7 +201,7 @@ def run_trl(cfg: Any, rows: list[dict[str, Any]], tokenizer: Any, out: Path) -> 
         scale_rewards=cfg.scale_rewards, num_iterations=cfg.num_iterations, reward_weights=cfg.reward_weights,
         learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps,
         max_grad_norm=cfg.max_grad_norm, max_steps=cfg.max_steps, seed=cfg.seed, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+        save_strategy="no", report_to="none", use_cpu=True, bf16=cfg.bf16, gradient_checkpointing=False,
         shuffle_dataset=False, disable_tqdm=True)
     if tokenizer.pad_token is None:
         tokenizer = copy.copy(tokenizer)

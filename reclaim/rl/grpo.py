@@ -79,6 +79,9 @@ class GRPOConfig:
     output_dir: str = "runs/grpo"
     model: str | None = None  # HF directory; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"  # auto: the checkpoint's own dtype
+    # transformers' `bf16`: the training forwards and backward under bfloat16 autocast (matmuls in
+    # bf16; weights, gradients and optimizer in `dtype`). Rollouts keep `dtype`.
+    bf16: bool = False
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
@@ -408,11 +411,16 @@ def _micro_batches(batch: RolloutBatch, cfg: GRPOConfig, world: World) -> list[l
     return [batch.order[j * b:(j + 1) * b] for j in picks]
 
 
+def precision(cfg: GRPOConfig, model: torch.nn.Module) -> torch.autocast:
+    """The training forwards' precision: bfloat16 autocast with cfg.bf16, else the weights' dtype."""
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+
+
 def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, world: World) -> torch.Tensor:
     """Log-probs [N, C] of the batch's completions under `model` (no grad), each rank computing
     the rows of its micro-batches, summed over ranks."""
     out = torch.zeros(batch.mask.shape)
-    with torch.no_grad():
+    with torch.no_grad(), precision(cfg, model):
         for idx in _micro_batches(batch, cfg, world):
             lp, _ = completion_logps(model, [batch.prompt_ids[i] for i in idx],
                                      [batch.completion_ids[i] for i in idx], cfg.temperature)
@@ -679,8 +687,9 @@ def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig
         pick = lambda t: None if t is None else t[idx, :c].to(device)  # noqa: E731
         mask = pick(batch.mask)
         with accumulating(model, last=n == len(micro) - 1):
-            logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature,
-                                          entropy=True)
+            with precision(cfg, model):
+                logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature,
+                                              entropy=True)
             loss, sums = grpo_loss(logps.float(), batch.advantages[idx].to(device), mask, loss_type=cfg.loss_type,
                                    epsilon_low=cfg.epsilon_low, epsilon_high=cfg.upper_epsilon, beta=cfg.beta,
                                    old_logps=pick(batch.old_logps), ref_logps=pick(batch.ref_logps),

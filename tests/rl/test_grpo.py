@@ -232,6 +232,26 @@ def test_cli_runs_checkpoints_and_resumes_like_an_uninterrupted_run(tiny_model_d
         _weights(out / "checkpoint-1")["model.embed_tokens.weight"])  # it trained
 
 
+def test_bf16_trains_in_mixed_precision_and_leaves_rollouts_alone(tiny_model_dir, tmp_path, one_thread):
+    """bf16: true (transformers' name) changes the training forward only: the same first rollout
+    (float32 engine, same seeds), float32 weights after, close to the float32 run's but not equal."""
+    (tmp_path / "even.py").write_text(REWARD_FILE)  # a reward with a spread, so the step has a gradient
+    runs = {}
+    for bf16 in ("false", "true"):
+        out = tmp_path / bf16
+        r = CliRunner().invoke(_app(), ["grpo", "--config", "grpo-tiny", "--model", str(tiny_model_dir),
+                                        "--output_dir", str(out), "--max_steps", "1", "--bf16", bf16,
+                                        "--log_completions", "true", "--reward_funcs", f"[{tmp_path}/even.py:even]"])
+        assert r.exit_code == 0, r.output
+        runs[bf16] = out
+    assert (runs["true"] / "completions.jsonl").read_text() == (runs["false"] / "completions.jsonl").read_text()
+    start, a, b = _weights(tiny_model_dir), _weights(runs["false"] / "checkpoint-1"), _weights(runs["true"] / "checkpoint-1")
+    assert all(t.dtype == torch.float32 for t in b.values())
+    step = sum(float((a[k] - start[k]).norm()) for k in a)
+    apart = sum(float((a[k] - b[k]).norm()) for k in a)
+    assert 0 < apart < 0.5 * step  # the bf16 step differs from the float32 one, by less than the step
+
+
 def test_resume_inside_an_iterated_rollout_with_kl(tiny_model_dir, tmp_path, one_thread):
     """num_iterations = 2 and beta > 0: a crash after step 1 (mid-rollout) resumes to the same run."""
     (tmp_path / "even.py").write_text(REWARD_FILE)

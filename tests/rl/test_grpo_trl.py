@@ -40,7 +40,7 @@ def _trl_trainer(setup, tmp_path, reward_funcs=None, **kw):
     _, hf, tok, data = setup
     args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                           max_completion_length=MAX_COMPLETION_LENGTH, gradient_accumulation_steps=GA,
-                          temperature=TEMPERATURE, report_to="none", use_cpu=True, bf16=False,
+                          temperature=TEMPERATURE, report_to="none", use_cpu=True, bf16=kw.pop("bf16", False),
                           gradient_checkpointing=False, **kw)
     zero = [lambda completions, **k: [0.0] * len(completions)]
     trainer = trl.GRPOTrainer(model=hf, reward_funcs=reward_funcs or zero,
@@ -134,3 +134,39 @@ def test_advantages_equal_trls(setup, tmp_path, scale_rewards, one_thread):
     out = trainer._generate_and_score_completions([{"prompt": f"a b {i // 2}"} for i in range(8)])
     ours, _, _ = group_advantages(table, torch.tensor([1.0, 0.5]), 2, scale_rewards)
     torch.testing.assert_close(ours, out["advantages"].float(), atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_mixed_precision_equals_trls(setup, tmp_path, one_thread):
+    """bf16: True runs the training forward under bfloat16 autocast as TRL's bf16 does: the loss
+    and gradient equal TRL's with bf16 within bf16 rounding, and differ from the float32 ones."""
+    from reclaim.rl.grpo import GRPOConfig, precision
+
+    ours = setup[0]
+    trainer = _trl_trainer(setup, tmp_path, loss_type="bnpo", bf16=True)
+    mask = completion_mask(COMPLETIONS)
+    advantages = torch.tensor([1.2, -0.7, 0.4, -1.5])
+    grads, losses = {}, {}
+    for bf16 in (True, False):
+        ours.zero_grad(set_to_none=True)
+        ours.train()
+        with precision(GRPOConfig(bf16=bf16), ours):
+            logps, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE)
+        loss, _ = grpo_loss(logps, advantages, mask, loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.2,
+                            gradient_accumulation_steps=GA)
+        loss.backward()
+        losses[bf16], grads[bf16] = loss.detach(), {k: p.grad.clone() for k, p in ours.named_parameters()}
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    want = trainer._compute_loss(model, _trl_inputs(setup[2].pad_token_id, advantages, 0.0))
+    want.backward()
+    theirs = {k: p.grad for k, p in model.named_parameters()}
+    torch.testing.assert_close(losses[True], want.float(), atol=1e-6, rtol=1e-5)
+
+    def distance(ours_grads):  # relative, over all parameters together
+        diff = sum(float((ours_grads[k] - theirs[k]).pow(2).sum()) for k in theirs)
+        return (diff / sum(float(g.pow(2).sum()) for g in theirs.values())) ** 0.5
+
+    assert all(g.dtype == torch.float32 for g in grads[True].values())
+    # Measured: 1.0% from TRL's bf16 gradient, 2.6% for the float32 one.
+    assert distance(grads[True]) < 0.02
+    assert distance(grads[True]) < 0.5 * distance(grads[False])

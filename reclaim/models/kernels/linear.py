@@ -108,7 +108,7 @@ def torch_kernels() -> Iterator[None]:
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` would take this product: float32 on a CPU, at most SMALL_ROWS rows,
-    no gradient wanted."""
+    no gradient wanted, no autocast."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
@@ -116,6 +116,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.numel() <= SMALL_ROWS * x.shape[-1]
         and x.numel() > 0
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not torch.is_autocast_enabled("cpu")  # autocast asks for its own dtype
         and not getattr(_local, "off", 0)
         and _load() is not None
     )
