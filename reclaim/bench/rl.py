@@ -252,9 +252,9 @@ def _total(steps: list[dict[str, Any]], key: str) -> float:
 
 
 def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, Any]:
-    """Per arm over all steps: rollout and tail tokens/s (totals), mean and median step time, mean
-    tau, mean reward; speed-ups against plain and TRL (step times by their medians); the issue's
-    CPU goals and whether each is met."""
+    """Per arm over all steps: rollout and tail tokens/s (totals), mean and median step time, step
+    time per completion token, mean tau, mean reward; speed-ups against plain and TRL (step times by
+    their medians, and per token against TRL); the issue's CPU goals and whether each is met."""
     out: dict[str, Any] = {}
     for name, arm in arms.items():
         st = arm["steps"]
@@ -268,6 +268,9 @@ def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, 
             "rollout_seconds_per_step": _total(st, "rollout_s") / len(st),
             "step_time": statistics.mean(s["step_time"] for s in st),
             "step_time_median": statistics.median(s["step_time"] for s in st),
+            # The arms sample different completions (TRL its own): step time per completion token
+            # compares them at equal work.
+            "step_seconds_per_token": _total(st, "step_time") / max(rollout_tokens, 1e-9),
             "mean_tau": statistics.mean(taus) if taus else None,
             "reward": statistics.mean(s["reward"] for s in st if "reward" in s) if any("reward" in s for s in st)
             else None}
@@ -284,6 +287,7 @@ def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, 
             s["tail_speedup_vs_plain"] = s["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
         if "trl" in out:
             s["step_speedup_vs_trl"] = out["trl"]["step_time_median"] / s["step_time_median"]
+            s["step_per_token_speedup_vs_trl"] = out["trl"]["step_seconds_per_token"] / s["step_seconds_per_token"]
     if goals and "adaptive" in out:
         a = out["adaptive"]
         out["goals"] = {"tail_throughput_2x_vs_plain": (a.get("tail_speedup_vs_plain"), 2.0),

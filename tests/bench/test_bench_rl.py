@@ -90,3 +90,18 @@ def test_held_out_accuracy_before_and_after_a_run(tiny_model_dir, tmp_path):
         held_out_accuracy(tmp_path, 6)
     with pytest.raises(ValueError, match="procedural task"):
         held_out_rows(dataclasses.replace(cfg, dataset=str(tmp_path / "run" / "log.jsonl")), 2)
+
+
+def test_summary_compares_step_time_per_completion_token():
+    """TRL samples its own completions: at equal step times, twice the tokens is twice the speed."""
+    from reclaim.bench.rl import summarize
+
+    def step(seconds, tokens):
+        return {"step_time": seconds, "rollout_s": 1.0, "rollout_tokens_per_s": float(tokens), "reward": 0.0}
+
+    arms = {"plain": {"steps": [step(10.0, 400), step(12.0, 400)]},
+            "trl": {"steps": [step(10.0, 800), step(12.0, 800)]}}
+    s = summarize(arms, goals=False)
+    assert s["plain"]["step_speedup_vs_trl"] == pytest.approx(1.0)
+    assert s["plain"]["step_seconds_per_token"] == pytest.approx(22.0 / 800)
+    assert s["plain"]["step_per_token_speedup_vs_trl"] == pytest.approx(0.5)
