@@ -9,14 +9,17 @@ own earlier tokens only, and the completion's positions continue from the prompt
 row. The log-probs are those of separate rows (fp32 summation order aside) and the prompt's
 gradient is the sum over its completions, as autograd gives for separate rows.
 
-Attention is dense over a row (T^2 for T prompt + completion tokens): at SmolLM2's width it stays
-below the linear layers' cost while a row is under ~3,000 tokens.
+Attention is dense over a row (T^2 query-key pairs for T tokens), so long completions would make
+it the larger cost: a row takes completions only up to `row_budget` tokens (where the dense
+attention costs a quarter of the linear layers: 768 for SmolLM2, 6,600 for Llama-3-8B) and a
+prompt with more completions than fit gets several rows, each starting with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,16 +44,45 @@ class Packed:
     gather: torch.Tensor
 
 
-def pack(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> Packed:
-    """The packed layout of (prompt, completion) pairs; equal prompts share a row."""
-    rows: dict[tuple[int, ...], list[int]] = {}
+def row_budget(config: Any) -> int:
+    """Tokens in a packed row at which its dense attention costs a quarter of the linear layers
+    (4 * heads * head_dim FLOPs a query-key pair against 2 FLOPs a weight per token)."""
+    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    weights = 2 * h * q + 2 * h * kv + 3 * h * config.intermediate_size
+    return weights // (8 * q)
+
+
+def _rows(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+          budget: int | None) -> list[tuple[tuple[int, ...], list[int]]]:
+    """(prompt, completion indices) per row: a prompt's completions in order, a new row (the
+    prompt again) when the next would take the row past `budget` tokens (None: no limit)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
     for n, p in enumerate(prompt_ids):
         if not len(p):
             raise ValueError(f"prompt {n} is empty; a completion's first log-prob needs a prompt token")
-        rows.setdefault(tuple(p), []).append(n)
+        groups.setdefault(tuple(p), []).append(n)
+    rows = []
+    for prompt, members in groups.items():
+        row, size = [], len(prompt)
+        for n in members:
+            if row and budget is not None and size + len(completion_ids[n]) > budget:
+                rows.append((prompt, row))
+                row, size = [], len(prompt)
+            row.append(n)
+            size += len(completion_ids[n])
+        rows.append((prompt, row))
+    return rows
+
+
+def pack(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+         budget: int | None = None) -> Packed:
+    """The packed layout of (prompt, completion) pairs: equal prompts share a row, of at most
+    `budget` tokens unless one completion alone needs more (None: no limit)."""
+    rows = _rows(prompt_ids, completion_ids, budget)
     n_rows, c_max = len(rows), max((len(c) for c in completion_ids), default=0)
     layouts = []
-    for prompt, members in rows.items():
+    for prompt, members in rows:
         ids, pos, seg, slots, targets = list(prompt), list(range(len(prompt))), [0] * len(prompt), [], []
         for k, n in enumerate(members, start=1):
             comp = list(completion_ids[n])
@@ -103,8 +135,8 @@ def completion_logps(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]]
     temperature), and the entropies there if asked; C is the longest completion, shorter rows
     padded with 0. Logits are computed only at the positions that predict completion tokens."""
     device = next(model.parameters()).device
-    packed = pack(prompt_ids, completion_ids)
     config = getattr(model, "module", model).config  # under DDP the policy is model.module
+    packed = pack(prompt_ids, completion_ids, row_budget(config))
     cache = GivenMask(packed_mask(packed, config.sliding_window).to(device), config.sliding_window)
     logits = model(packed.ids.to(device), packed.positions.to(device), cache,
                    logit_positions=packed.slots.to(device)).logits / temperature

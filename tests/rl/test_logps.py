@@ -27,7 +27,11 @@ def _separate(model, prompts, comps, temperature):
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_log_probs_and_entropies_equal_separate_rows(window):
+@pytest.mark.parametrize("budget", [None, 6])
+def test_log_probs_and_entropies_equal_separate_rows(window, budget, monkeypatch):
+    """Also when a prompt's completions do not fit one row (budget 6: A's three take three rows)."""
+    if budget is not None:
+        monkeypatch.setattr("reclaim.rl.logps.row_budget", lambda config: budget)
     model = tiny_target(50, sliding_window=window)
     logps, ent = completion_logps(model, PROMPTS, COMPLETIONS, temperature=0.7, entropy=True)
     assert logps.shape == ent.shape == (6, 5)
@@ -38,8 +42,11 @@ def test_log_probs_and_entropies_equal_separate_rows(window):
         assert bool((logps[i, n:] == 0).all()) and bool((ent[i, n:] == 0).all())
 
 
-def test_gradients_equal_separate_rows():
+@pytest.mark.parametrize("budget", [None, 6])
+def test_gradients_equal_separate_rows(budget, monkeypatch):
     """The shared prompt's gradient sums over its completions, as separate rows give."""
+    if budget is not None:
+        monkeypatch.setattr("reclaim.rl.logps.row_budget", lambda config: budget)
     model = tiny_target(50)
     weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
     logps, _ = completion_logps(model, PROMPTS, COMPLETIONS, temperature=0.9)
@@ -58,6 +65,14 @@ def test_each_prompt_is_one_row():
     real = int((packed.segment >= 0).sum())
     assert real == len(A) + len(B) + len(C) + sum(map(len, COMPLETIONS))  # no prompt twice, no padding
     assert int(packed.slot_valid.sum()) == sum(map(len, COMPLETIONS))
+
+
+def test_a_row_holds_completions_up_to_its_budget():
+    """Rows of at most 8 tokens unless one completion needs more: A + [10, 11, 12] (7), A + the
+    5-token completion (9, alone), A + [21] (5); B + [13] + [22..25] (7); C + [19, 20] (3)."""
+    packed = pack(PROMPTS, COMPLETIONS, budget=8)
+    rows = [[int(t) for t, s in zip(ids, seg) if s >= 0] for ids, seg in zip(packed.ids, packed.segment)]
+    assert rows == [A + [10, 11, 12], A + [14, 15, 16, 17, 18], A + [21], B + [13, 22, 23, 24, 25], C + [19, 20]]
 
 
 def test_an_empty_prompt_is_refused():
