@@ -2,6 +2,8 @@
 
 1. Adjoint gradients equal autograd's on CUDA (fp32, relative error per parameter).
 2. Engine greedy output equals transformers' generate on CUDA (tiny random Llama, fp32; bf16 reported).
+3. GRPO's packed log-probs (each prompt once, its completions behind it under a mask) and their
+   gradients equal separate rows' on CUDA (fp32; under bf16 autocast reported).
 Prints one JSON line per check; exits non-zero if a check fails.
 """
 
@@ -65,15 +67,49 @@ def check_engine(dev: str, dtype: torch.dtype) -> dict:
             "identical": f"{same}/{len(prompts)}"}
 
 
+def check_packed_logps(dev: str, bf16: bool = False) -> dict:
+    from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
+    from reclaim.rl.logps import completion_logps
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=1024)).to(dev)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 17)]
+    rows = [(prompts[i % 2], torch.randint(0, 512, (int(torch.randint(1, 200, (1,), generator=g)),),
+                                           generator=g).tolist()) for i in range(8)]
+    weights = torch.randn(8, 200, generator=g).to(dev)
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+        logps, _ = completion_logps(model, [p for p, _ in rows], [c for _, c in rows])
+    (logps * weights[:, :logps.shape[1]]).sum().backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    total, worst_logp = 0.0, 0.0
+    for i, (p, c) in enumerate(rows):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(torch.tensor([p + c], device=dev)).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)[len(p) - 1:len(p) + len(c) - 1]
+        lp = lp.gather(-1, torch.tensor(c, device=dev)[:, None]).squeeze(-1)
+        worst_logp = max(worst_logp, (lp - logps[i, :len(c)]).abs().max().item())
+        total = total + (lp * weights[i, :len(c)]).sum()
+    total.backward()
+    worst = max(rel_err(ours[n], p.grad) for n, p in model.named_parameters())
+    ok = bf16 or (worst <= 1e-4 and worst_logp <= 1e-4)
+    return {"check": f"grpo_packed_logps_vs_separate_rows_{'bf16_autocast' if bf16 else 'fp32'}", "ok": ok,
+            "max_abs_logp_diff": worst_logp, "max_rel_grad_err": worst}
+
+
 def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     print(json.dumps({"torch": torch.__version__, "device": dev,
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}), flush=True)
-    results = [check_adjoint(dev), check_engine(dev, torch.float32)]
+    results = [check_adjoint(dev), check_engine(dev, torch.float32), check_packed_logps(dev)]
     for r in results:
         print(json.dumps(r), flush=True)
     if dev == "cuda":  # bf16 kernels differ in accumulation order: informational, not a pass/fail
         print(json.dumps(check_engine(dev, torch.bfloat16)), flush=True)
+        print(json.dumps(check_packed_logps(dev, bf16=True)), flush=True)
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -308,6 +308,10 @@ def measure(spec: RLBenchSpec) -> dict[str, Any]:
         cfgs = arm_configs(spec, Path(tmp))
         base = cfgs["plain"]
         rows, dataset, model, tok = step_prompts(base)
+        # The process's first training steps pay for fresh memory (page faults, 2-4 s a step here),
+        # which would fall on whichever arm runs first: one plain step first, not counted.
+        print("== warm-up: one plain step, not counted", flush=True)
+        run_reclaim(dataclasses.replace(base, max_steps=1, output_dir=str(Path(tmp) / "warm-up")))
         arms: dict[str, dict[str, Any]] = {}
         for name, cfg in cfgs.items():
             print(f"== {name}: {cfg.speculative}{' adaptive' if cfg.adaptive and cfg.speculative != 'none' else ''}",
