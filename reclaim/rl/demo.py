@@ -50,6 +50,7 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     (stdout); returns the last step's metrics and the run's seconds."""
     from reclaim.engine.engine import Engine
     from reclaim.models.tokenizer import encode_chat
+    from reclaim.optim import adamw
     from reclaim.rl.grpo import build_dataset, prompt_rows, rollout, rollout_runner
     from reclaim.rl.rewards import load_reward
 
@@ -66,7 +67,7 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     engine = Engine(copy.deepcopy(model).eval(), tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
                     max_model_len=max(map(len, prompts)) + cfg.max_completion_length,
                     speculative=next(a for a in runner.bandit.arms if a is not None))
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
+    opt = adamw(list(policy.parameters()), lr=cfg.learning_rate)
     eos = set(engine.eos_token_ids)
     spec = cfg.speculative if cfg.speculative != "eagle" else "eagle (the default model's drafter)"
     out.write(f"GRPO: {cfg.num_generations} completions per prompt, speculative rollouts ({spec}) while at most "
