@@ -87,7 +87,8 @@ def pack(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[
         for k, n in enumerate(members, start=1):
             comp = list(completion_ids[n])
             start = len(ids)
-            slots += [len(prompt) - 1] + list(range(start, start + len(comp) - 1)) if comp else []
+            if comp:  # the prompt's last position predicts the first token, then each token the next
+                slots += [len(prompt) - 1, *range(start, start + len(comp) - 1)]
             targets += comp
             ids += comp
             pos += range(len(prompt), len(prompt) + len(comp))

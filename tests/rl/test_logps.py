@@ -78,3 +78,10 @@ def test_a_row_holds_completions_up_to_its_budget():
 def test_an_empty_prompt_is_refused():
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         pack([[1], []], [[2], [3]])
+
+
+def test_an_empty_completion_gives_an_empty_row():
+    model = tiny_target(50)
+    logps, _ = completion_logps(model, [A, A], [[], [10, 11]])
+    assert logps.shape == (2, 2) and bool((logps[0] == 0).all())
+    torch.testing.assert_close(logps[1], _separate(model, [A], [[10, 11]], 1.0)[0][0], atol=1e-5, rtol=1e-5)
