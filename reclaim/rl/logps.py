@@ -143,13 +143,16 @@ def completion_logps(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]]
                    logit_positions=packed.slots.to(device)).logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     slot_logps = logp_all.gather(-1, packed.targets.to(device)[..., None]).squeeze(-1)
-    flat = torch.cat([slot_logps.flatten(), slot_logps.new_zeros(1)])
-    logps = flat[packed.gather.to(device)]
+    gather = packed.gather.to(device)
+
+    def per_completion(slot_values: torch.Tensor) -> torch.Tensor:  # [G, K] -> [N, C], 0 past each end
+        return torch.cat([slot_values.flatten(), slot_values.new_zeros(1)])[gather]
+
+    logps = per_completion(slot_logps)
     ent = None
     if entropy:
         with torch.no_grad():
-            ent_slots = -(logp_all.exp() * logp_all).sum(-1)
-            ent = torch.cat([ent_slots.flatten(), ent_slots.new_zeros(1)])[packed.gather.to(device)]
+            ent = per_completion(-(logp_all.exp() * logp_all).sum(-1))
     return logps, ent
 
 
