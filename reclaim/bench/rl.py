@@ -280,6 +280,10 @@ def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, 
                               "drafter_seconds_per_step": statistics.mean(
                                   s.get("drafter/train_s", 0) + s.get("drafter/eval_s", 0) for s in st)})
     plain = out["plain"]
+    if plain["tail_seconds"]:  # Amdahl: speculation speeds the tail only, so no arm's step beats
+        share = plain["tail_seconds"] / len(arms["plain"]["steps"]) / plain["step_time"]  # step / (step - tail)
+        plain["tail_share_of_step"] = share
+        plain["step_speedup_bound_if_tail_free"] = 1.0 / (1.0 - share)
     for name, s in out.items():  # step times compared by their medians: one load spike moves a mean
         s["step_speedup_vs_plain"] = plain["step_time_median"] / s["step_time_median"]
         s["rollout_speedup_vs_plain"] = s["rollout_tokens_per_s"] / plain["rollout_tokens_per_s"]
@@ -297,6 +301,8 @@ def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, 
             out["goals"]["online_tau_within_10pct_of_start"] = (min(a["tau_online"]) / a["tau_online"][0], 0.9)
         out["goals"] = {k: {"measured": v, "goal": g, "met": v is not None and v >= g}
                         for k, (v, g) in out["goals"].items()}
+        if "step_speedup_bound_if_tail_free" in plain:  # what the step goal can reach on this shape
+            out["goals"]["step_time_1.5x_vs_plain"]["bound_if_tail_free"] = plain["step_speedup_bound_if_tail_free"]
     return out
 
 
