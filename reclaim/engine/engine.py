@@ -34,7 +34,6 @@ from reclaim.engine.speculative import (
     make_drafter,
 )
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
-from reclaim.models.llama import ForwardOutput
 
 log = logging.getLogger("reclaim.engine")
 
@@ -577,31 +576,6 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
-
-    def forward_tokens(
-        self, request_id: str, token_ids: list[int], *, return_hidden: bool = False
-    ) -> ForwardOutput:
-        """Run `token_ids` after a running sequence's cached prefix; logits at every new token.
-
-        Their K/V are written after the prefix but the sequence is not advanced: the caller
-        (speculative verification, chunked prefill) decides what to keep.
-        """
-        with self._step_lock:
-            req = self._requests.get(request_id)
-            if req is None:
-                raise ValueError(f"unknown request_id {request_id!r}; running: {sorted(self._requests)}")
-            seq = req.seq
-            end = seq.num_computed + len(token_ids)
-            if not token_ids or end > self.max_model_len:
-                raise ValueError(
-                    f"{len(token_ids)} tokens after {seq.num_computed} cached; need 1 to "
-                    f"{self.max_model_len - seq.num_computed} (max_model_len={self.max_model_len})"
-                )
-            if not self.blocks.allocate(request_id, end):
-                raise RuntimeError(f"KV cache full: no blocks for {len(token_ids)} more tokens of {request_id!r}")
-            with torch.inference_mode():
-                hidden = self.runner.forward([Row(request_id, seq.num_computed, list(token_ids))])
-                return ForwardOutput(self.logits(hidden), hidden if return_hidden else None)
 
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
         """Change the speculative config between steps (None: plain decoding). The drafter stays
