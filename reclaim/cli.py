@@ -587,7 +587,7 @@ def bench_rl(
     out_dir: str = typer.Option("benchmarks", help="Where rl.json and rl.png (or rl-accuracy.json) go."),
 ) -> None:
     """GRPO steps with plain, static-speculative and adaptive (TLT) rollouts, and TRL's GRPOTrainer."""
-    from reclaim.bench.rl import RLBenchSpec, held_out_accuracy, main, quick_spec
+    from reclaim.bench.rl import RLBenchSpec, goal_lines, held_out_accuracy, main, quick_spec
 
     if accuracy is not None:
         try:
@@ -606,7 +606,9 @@ def bench_rl(
             adaptive_depths=[int(d) for d in adaptive_depths.split(",")], greedy_prompts=greedy_prompts, **common)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    main(spec)
+    result = main(spec)
+    for line in goal_lines(result["summary"]):
+        typer.echo(line)
     typer.echo(f"wrote {out_dir}/rl.json and {out_dir}/rl.png")
 
 

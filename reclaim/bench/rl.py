@@ -306,6 +306,17 @@ def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, 
     return out
 
 
+def goal_lines(summary: dict[str, Any]) -> list[str]:
+    """The issue's goals as printed lines: measured against the goal, met or not, and for the
+    step goal the most a tail that cost nothing could give."""
+    lines = []
+    for name, g in summary.get("goals", {}).items():
+        got = "n/a" if g["measured"] is None else f"{g['measured']:.2f}x"
+        bound = f" (a free tail would give at most {g['bound_if_tail_free']:.2f}x)" if "bound_if_tail_free" in g else ""
+        lines.append(f"goal {name}: {got} against {g['goal']}x, {'met' if g['met'] else 'not met'}{bound}")
+    return lines
+
+
 def measure(spec: RLBenchSpec) -> dict[str, Any]:
     if spec.threads:
         torch.set_num_threads(spec.threads)

@@ -110,15 +110,18 @@ def test_summary_compares_step_time_per_completion_token():
 def test_step_goal_reports_the_bound_the_tail_allows():
     """Speculation speeds the tail only: with plain's tail a quarter of its step, no arm's step can
     beat plain's by more than 4/3, and the summary says so beside the 1.5x goal."""
-    from reclaim.bench.rl import summarize
+    from reclaim.bench.rl import goal_lines, summarize
 
-    def step(seconds, tail):
+    def step(seconds, tail, tail_rate):
         return {"step_time": seconds, "rollout_s": 4.0, "rollout_tokens_per_s": 100.0, "reward": 0.0,
-                "rollout_tail_s": tail, "rollout_tail_tokens_per_s": 40.0}
+                "rollout_tail_s": tail, "rollout_tail_tokens_per_s": tail_rate}
 
-    arms = {"plain": {"steps": [step(8.0, 2.0), step(8.0, 2.0)]},
-            "adaptive": {"steps": [step(7.0, 1.0), step(7.0, 1.0)]}}
+    arms = {"plain": {"steps": [step(8.0, 2.0, 40.0), step(8.0, 2.0, 40.0)]},
+            "adaptive": {"steps": [step(7.0, 1.0, 80.0), step(7.0, 1.0, 80.0)]}}
     s = summarize(arms)
     assert s["plain"]["tail_share_of_step"] == pytest.approx(0.25)
     assert s["goals"]["step_time_1.5x_vs_plain"]["bound_if_tail_free"] == pytest.approx(4 / 3)
     assert s["goals"]["step_time_1.5x_vs_plain"]["measured"] == pytest.approx(8 / 7)
+    lines = goal_lines(s)
+    assert "goal step_time_1.5x_vs_plain: 1.14x against 1.5x, not met (a free tail would give at most 1.33x)" in lines
+    assert "goal tail_throughput_2x_vs_plain: 2.00x against 2.0x, met" in lines
