@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_pair
+from engine_helpers import make_pair
 from reclaim.engine.eagle import EagleProposer
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from conftest import make_pair
+from engine_helpers import make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.models.hf import hf_generate, hf_logits

@@ -8,7 +8,7 @@ full forward."""
 import pytest
 import torch
 
-from conftest import make_pair
+from engine_helpers import make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import SpeculativeConfig

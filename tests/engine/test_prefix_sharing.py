@@ -6,7 +6,7 @@ weights is shared after a weight update."""
 import pytest
 import torch
 
-from conftest import make_pair
+from engine_helpers import make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.kv_cache import BlockManager
 from reclaim.engine.request import SamplingParams

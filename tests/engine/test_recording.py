@@ -5,7 +5,7 @@ is called once per request with the whole prompt, and nothing else changes."""
 import pytest
 import torch
 
-from conftest import make_pair
+from engine_helpers import make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.models.cache import DenseCache

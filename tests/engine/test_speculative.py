@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import TINY, make_pair
+from engine_helpers import TINY, make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import Draft, DraftRequest, NgramDrafter, SpeculativeConfig, accept

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import grads, rel_err, tiny_model, token_lists
+from online_helpers import grads, rel_err, tiny_model, token_lists
 
 from reclaim.online.embedding_grad import RowGradEmbedding
 from reclaim.online.recorder import record_prompt, recompute_loss, reuse_loss

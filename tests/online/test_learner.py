@@ -4,7 +4,7 @@ record reused, and report it in the metrics."""
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model, token_lists
+from online_helpers import tiny_model, token_lists
 
 from reclaim.online.feedback import FeedbackError, UnknownResponse
 from reclaim.online.learner import OnlineLearner

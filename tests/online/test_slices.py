@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_model, token_lists
+from online_helpers import tiny_model, token_lists
 
 from reclaim.models.mamba import MambaConfig, MambaForCausalLM
 from reclaim.online.colocate import Colocated, credit_rate

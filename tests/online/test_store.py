@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import grads, rel_err, tiny_model, token_lists
+from online_helpers import grads, rel_err, tiny_model, token_lists
 
 from reclaim.online.recorder import record_prompt, recompute_loss, reuse_loss
 from reclaim.online.store import RecordStore

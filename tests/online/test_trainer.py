@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import grads, rel_err, tiny_model, token_lists
+from online_helpers import grads, rel_err, tiny_model, token_lists
 
 from reclaim.config import ConfigError, load_config
 from reclaim.online.feedback import FeedbackLog
@@ -156,7 +156,7 @@ def test_stale_records_reused_with_max_staleness_stop_at_the_prompt(tmp_path):
 CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[2])
-from conftest import tiny_model
+from online_helpers import tiny_model
 from reclaim.online.feedback import FeedbackLog
 from reclaim.online.store import RecordStore
 from reclaim.online.trainer import OnlineTrainConfig, OnlineTrainer

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import tiny_target
+from rl_helpers import tiny_target
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import SpeculativeConfig

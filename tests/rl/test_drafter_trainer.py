@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fixed_depth, tiny_target
+from rl_helpers import fixed_depth, tiny_target
 from typer.testing import CliRunner
 
 from reclaim.config import ConfigError, load_config

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_target
+from rl_helpers import tiny_target
 from typer.testing import CliRunner
 
 from reclaim.config import ConfigError, load_config

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tokenizer, tiny_target  # at import: later, `conftest` is another directory's
+from rl_helpers import make_tokenizer, tiny_target
 from reclaim.config import load_config
 from reclaim.rl.grpo import GRPOConfig, train
 

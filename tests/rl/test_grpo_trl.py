@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tokenizer, tiny_target
+from rl_helpers import make_tokenizer, tiny_target
 
 from reclaim.rl.grpo import completion_logps, completion_mask, grpo_loss
 

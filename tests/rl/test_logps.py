@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_target
+from rl_helpers import tiny_target
 
 from reclaim.rl.logps import completion_logps, pack
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fixed_depth, tiny_target
+from rl_helpers import fixed_depth, tiny_target
 
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
