@@ -280,8 +280,9 @@ def summarize(arms: dict[str, dict[str, Any]], goals: bool = True) -> dict[str, 
                               "drafter_seconds_per_step": statistics.mean(
                                   s.get("drafter/train_s", 0) + s.get("drafter/eval_s", 0) for s in st)})
     plain = out["plain"]
-    if plain["tail_seconds"]:  # Amdahl: speculation speeds the tail only, so no arm's step beats
-        share = plain["tail_seconds"] / len(arms["plain"]["steps"]) / plain["step_time"]  # step / (step - tail)
+    if plain["tail_seconds"]:  # Amdahl: speculation speeds the tail only, so no arm's step can beat
+        # plain's by more than step / (step - tail): tail seconds and step time per step, both means
+        share = plain["tail_seconds"] / len(arms["plain"]["steps"]) / plain["step_time"]
         plain["tail_share_of_step"] = share
         plain["step_speedup_bound_if_tail_free"] = 1.0 / (1.0 - share)
     for name, s in out.items():  # step times compared by their medians: one load spike moves a mean
