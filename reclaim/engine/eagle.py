@@ -1,5 +1,5 @@
 """The EAGLE drafter inside the engine: keeps each sequence's drafter cache in step with the
-target and proposes chain drafts from the target's hidden states.
+target and proposes chain or tree drafts from the target's hidden states.
 
 For a sequence x_0..x_n (x_n not yet run by the target) the drafter has consumed the pairs
 (f_i, x_{i+1}) for i < `length`. `propose` first feeds the pairs the target has produced since
@@ -8,7 +8,9 @@ of f_n; then it drafts d_1 = head(g_{n-1}), feeds (g, d_1) to get the next predi
 on. The draft steps' cache entries are dropped afterwards: once the target has verified the
 draft, the pairs are fed again with the target's true hidden states. A sequence recomputed
 from an earlier position (preemption, new weights) truncates its drafter cache there.
-"""
+
+All sequences of a step draft together: one forward feeds every sequence's pairs (rows of
+different lengths, padded under a mask), then one forward per draft depth or tree level."""
 
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import torch
 
 from reclaim.engine.sampling import keyed_uniform, probs, sample
 from reclaim.engine.speculative import Draft, DraftRequest
-from reclaim.models.cache import DenseCache
+from reclaim.models.cache import DenseCache, MaskedCache
 from reclaim.models.drafter import EagleDrafter, draft_head, load_drafter
-from reclaim.models.kernels.linear import linear
+from reclaim.models.kernels.linear import SMALL_ROWS, linear
 
 
 @dataclass
@@ -35,29 +37,6 @@ def _truncate(cache: DenseCache, n: int) -> None:
     for d in (cache.keys, cache.values):
         for layer in list(d):
             d[layer] = d[layer][:, :, :n]
-
-
-class _BranchCache:
-    """Tree drafting's attention cache: the sequence's K/V shared by every branch, plus each
-    branch's own ancestors' K/V [B, Hkv, depth, D]. One new token per branch sees all of them."""
-
-    def __init__(self, prefix: DenseCache) -> None:
-        self.prefix = prefix
-        self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Branch i continues branch rows[i] (children inherit their parent's ancestors)."""
-        self.own = {layer: (k[rows], v[rows]) for layer, (k, v) in self.own.items()}
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if layer in self.own:
-            k = torch.cat([self.own[layer][0], k], dim=2)
-            v = torch.cat([self.own[layer][1], v], dim=2)
-        self.own[layer] = (k, v)
-        b = k.shape[0]
-        pk, pv = self.prefix.keys[layer], self.prefix.values[layer]
-        return (torch.cat([pk.expand(b, -1, -1, -1), k], dim=2),
-                torch.cat([pv.expand(b, -1, -1, -1), v], dim=2), None)
 
 
 class EagleProposer:
@@ -86,7 +65,11 @@ class EagleProposer:
             rows, ids = draft_head(self.drafter, self.target)
             self._head_rows = (w._version, rows.contiguous() if ids is not None else rows, ids)
         _, rows, ids = self._head_rows
-        return linear(g, rows).float(), ids
+        # In rows of at most SMALL_ROWS: past that the head leaves linear's small-row kernel for
+        # torch's, which here took 64 ms for 32 rows of SmolLM2's head against 41 ms in two halves.
+        parts = [linear(x, rows) for x in g.reshape(-1, g.shape[-1]).split(SMALL_ROWS)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.float().reshape(*g.shape[:-1], -1), ids
 
     @classmethod
     def load(cls, path: str | os.PathLike, target: torch.nn.Module, **tree: int) -> "EagleProposer":
@@ -123,77 +106,145 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [self._propose(r) for r in requests]
+        """Drafts for every request whose drafter state is ready (others get an empty Draft): one
+        forward feeds all their pending pairs, then one forward per chain depth or tree level."""
+        out = [Draft() for _ in requests]
+        ready = [i for i, r in enumerate(requests) if self._ready(r)]
+        if not ready:
+            return out
+        if self.topk == 1:  # longest chains first: a row that has drafted enough leaves from the end
+            ready.sort(key=lambda i: -requests[i].max_tokens)
+        reqs = [requests[i] for i in ready]
+        room = reqs[0].max_tokens - 1 if self.topk == 1 else (self.depth - 1) * self.topk
+        cache, valid, g = self._catch_up(reqs, max(room, 0))
+        drafts = self._chain(reqs, cache, valid, g) if self.topk == 1 else self._tree(reqs, cache, valid, g)
+        for i, d in zip(ready, drafts):
+            out[i] = d
+        return out
 
-    def _step(self, st: _State, tokens: list[int], feats: torch.Tensor, start: int) -> torch.Tensor:
-        """Feed pairs (feats[j], tokens[j]) at positions start + j; the drafter's outputs [T, H]."""
-        dev = self.head.weight.device
-        ids = torch.tensor([tokens], device=dev)
-        pos = torch.arange(start, start + len(tokens), device=dev)[None]
-        return self.drafter(self.embed(ids), feats[None].to(dev), pos, st.cache)[0]
+    def _ready(self, r: DraftRequest) -> bool:
+        """Whether the drafter has seen the target's states up to x_n and has pairs to feed."""
+        st, n = self._states.get(r.seq_id), len(r.token_ids) - 1  # x_n is the pending token
+        return st is not None and n >= 1 and st.length < n <= st.length + len(st.feats)
 
-    def _propose(self, r: DraftRequest) -> Draft:
-        st = self._states.get(r.seq_id)
-        n = len(r.token_ids) - 1  # x_n is the pending token
-        if st is None or st.length + len(st.feats) < n or n < 1 or st.length >= n:
-            return Draft()  # the drafter has not seen the target's states up to x_n yet
-        feed = n - st.length
-        g = self._step(st, r.token_ids[st.length + 1: n + 1], torch.stack(st.feats[:feed]), st.length)[-1]
-        st.length, st.feats = n, st.feats[feed:]
-        if self.topk > 1:
-            return self._tree(st, g, n, r.max_tokens)
-        tokens, qs = [], []
-        for j in range(r.max_tokens):
-            logits, ids = self._logits(g[None])
-            if r.params.greedy:
-                tok = int(logits[0].argmax())
-            elif r.params.seed is not None:  # coupled with the keyed draw the target will make
-                tok = sample(logits, [r.params], [keyed_uniform(r.params.seed, len(r.token_ids) + j)])[0]
-            else:
-                q = probs(logits, [r.params])[0]
-                tok = int(torch.multinomial(q.float(), 1, generator=r.generator).item())
-                if ids is not None:  # q over the whole vocabulary: zero outside the draft's
-                    q = torch.zeros(self.head.weight.shape[0], dtype=q.dtype, device=q.device).index_copy_(0, ids, q)
-                qs.append(q)
-            tok = tok if ids is None else int(ids[tok])
-            tokens.append(tok)
-            if j + 1 < r.max_tokens:
-                g = self._step(st, [tok], g[None], n + j)[-1]
-        _truncate(st.cache, n)
-        return Draft(tokens, torch.stack(qs) if qs else None)
+    def _catch_up(self, reqs: list[DraftRequest], room: int) -> tuple[MaskedCache, torch.Tensor, torch.Tensor]:
+        """Feed every row's pairs since its last proposal in one forward, each row laid out as
+        [pad | cached | new | pad] so that what a state keeps is one slice of it.
 
-    def _tree(self, st: _State, g: torch.Tensor, n: int, budget: int) -> Draft:
-        """EAGLE-2's dynamic tree from g (the prediction of f_n); deterministic tokens."""
-        k = self.topk
-        logits, vocab = self._logits(g[None])
-        to_target = (lambda t: t) if vocab is None else (lambda t: vocab[t])
-        lp = torch.log_softmax(logits, -1)[0]
-        top = lp.topk(k)
-        tokens, parents, scores = to_target(top.indices).tolist(), [-1] * k, top.values.tolist()
-        frontier = list(range(k))  # nodes to expand next
-        feats = g[None].expand(k, -1)  # each frontier node's input feature (its parent's prediction)
-        cache = _BranchCache(st.cache)
-        emb = self.embed
+        Returns the batch's cache (with `room` more keys a row), the keys each row may see [B, S]
+        and each row's prediction of f_n [B, H]."""
+        dev, cfg, w = self.head.weight.device, self.drafter.config, self.drafter.fc.weight
+        states = [self._states[r.seq_id] for r in reqs]
+        past = [st.length for st in states]
+        new = [len(r.token_ids) - 1 - st.length for r, st in zip(reqs, states)]
+        b, p, t = len(reqs), max(past), max(new)
+        shape = (b, cfg.num_key_value_heads, p + t + room, cfg.head_dim)
+        keys = {layer: w.new_empty(shape) for layer in range(len(self.drafter.layers))}
+        values = {layer: w.new_empty(shape) for layer in keys}
+        ids = torch.zeros(b, t, dtype=torch.long, device=dev)
+        feats = torch.zeros(b, t, cfg.hidden_size, dtype=states[0].feats[0].dtype, device=dev)
+        for i, (r, st) in enumerate(zip(reqs, states)):
+            for buf, mine in ((keys, st.cache.keys), (values, st.cache.values)):
+                for layer in buf:
+                    buf[layer][i, :, : p - past[i]] = 0  # never attended, but 0 * NaN would be NaN
+                    if past[i]:
+                        buf[layer][i, :, p - past[i]: p] = mine[layer][0]
+            ids[i, : new[i]] = torch.tensor(r.token_ids[past[i] + 1: past[i] + new[i] + 1])
+            feats[i, : new[i]] = torch.stack(st.feats[: new[i]])
+        lo, hi = torch.tensor(past, device=dev), torch.tensor(new, device=dev)
+        col = torch.arange(p + t, device=dev)
+        valid = (col >= p - lo[:, None]) & (col < p + hi[:, None])
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        cache = MaskedCache(keys, values, p)
+        cache.mask = torch.cat([valid[:, None, :p].expand(b, t, p), causal.expand(b, t, t)], -1)[:, None]
+        pos = lo[:, None] + torch.arange(t, device=dev)
+        out = self.drafter(self.embed(ids), feats, pos, cache)
+        for i, st in enumerate(states):  # the pairs are kept: a copy, so the batch's buffers can go
+            span = slice(p - past[i], p + new[i])
+            for layer in keys:
+                st.cache.keys[layer] = keys[layer][i: i + 1, :, span].clone()
+                st.cache.values[layer] = values[layer][i: i + 1, :, span].clone()
+            st.length, st.feats = past[i] + new[i], st.feats[new[i]:]
+        return cache, valid, out[torch.arange(b, device=dev), hi - 1]
+
+    def _chain(self, reqs: list[DraftRequest], cache: MaskedCache, valid: torch.Tensor,
+               g: torch.Tensor) -> list[Draft]:
+        """Chains from g (each row's prediction of f_n), one forward per depth for the rows still
+        drafting (reqs ordered by max_tokens, longest first)."""
+        n = torch.tensor([len(r.token_ids) - 1 for r in reqs], device=g.device)
+        tokens: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        for j in range(reqs[0].max_tokens):
+            picked = self._pick(reqs[: sum(r.max_tokens > j for r in reqs)], g, j, qs)
+            for row, tok in zip(tokens, picked):
+                row.append(tok)
+            m = sum(r.max_tokens > j + 1 for r in reqs)  # rows that draft one more
+            if m:
+                cache.mask = torch.cat([valid[:m], valid.new_ones(m, j + 1)], -1)[:, None, None]
+                ids = torch.tensor(picked[:m], device=g.device)[:, None]
+                g = self.drafter(self.embed(ids), g[:m, None], (n[:m] + j)[:, None], cache)[:, 0]
+        return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+    def _pick(self, reqs: list[DraftRequest], g: torch.Tensor, j: int, qs: list[list[torch.Tensor]]) -> list[int]:
+        """Draft token j of each request from g[:len(reqs)], sampled as the request samples; a
+        generator-sampled request's q (over the whole vocabulary) is appended to its qs."""
+        logits, ids = self._logits(g[: len(reqs)])
+        out = logits.argmax(-1).tolist()
+        seeded = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.seed is not None]
+        if seeded:  # coupled with the keyed draw the target will make
+            us = [keyed_uniform(reqs[i].params.seed, len(reqs[i].token_ids) + j) for i in seeded]
+            for i, tok in zip(seeded, sample(logits[seeded], [reqs[i].params for i in seeded], us)):
+                out[i] = tok
+        drawn = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.seed is None]
+        if drawn:
+            q = probs(logits[drawn], [reqs[i].params for i in drawn])
+            for i, qi in zip(drawn, q):
+                out[i] = int(torch.multinomial(qi.float(), 1, generator=reqs[i].generator).item())
+            if ids is not None:  # q over the whole vocabulary: zero outside the draft's
+                q = q.new_zeros(len(drawn), self.head.weight.shape[0]).index_copy_(1, ids, q)
+            for i, qi in zip(drawn, q):
+                qs[i].append(qi)
+        return out if ids is None else ids[torch.tensor(out, device=ids.device)].tolist()
+
+    def _tree(self, reqs: list[DraftRequest], cache: MaskedCache, valid: torch.Tensor,
+              g: torch.Tensor) -> list[Draft]:
+        """EAGLE-2's dynamic trees from g (each row's prediction of f_n); deterministic tokens.
+        A row's k frontier nodes run as k tokens of it, each seeing its own ancestors' keys."""
+        k, b, dev = self.topk, len(reqs), g.device
+        logits, vocab = self._logits(g)
+        top = torch.log_softmax(logits, -1).topk(k)
+        front_tok, front_score = top.indices, top.values  # [b, k]: draft-vocabulary ids, log-probs
+        tokens, scores, parents = [front_tok], [front_score], [torch.full((b, k), -1, device=dev)]
+        frontier = torch.arange(k, device=dev).expand(b, k)  # node ids (creation order)
+        feats = g[:, None].expand(b, k, -1)  # each frontier node's input feature (its parent's prediction)
+        seen = valid[:, None].expand(b, k, -1)  # keys each frontier node sees: the row's and its ancestors'
+        eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
+        n = torch.tensor([len(r.token_ids) - 1 for r in reqs], device=dev)
+        to_target = (lambda x: x) if vocab is None else (lambda x: vocab[x])
         for d in range(1, self.depth):
-            dev = g.device
-            inp = torch.tensor([[tokens[i]] for i in frontier], device=dev)
-            pos = torch.full((len(frontier), 1), n + d - 1, device=dev)
-            out = self.drafter(emb(inp), feats[:, None], pos, cache)[:, 0]  # [B, H]
-            lp = torch.log_softmax(self._logits(out)[0], -1)
-            cand = torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + lp
-            val, idx = cand.topk(k, -1)  # [B, k] best children of each frontier node
-            first = len(tokens)
-            for b, node in enumerate(frontier):
-                tokens += to_target(idx[b]).tolist()
-                parents += [node] * k
-                scores += val[b].tolist()
-            best = val.flatten().topk(k).indices  # the next frontier: best children overall
-            frontier = [first + int(i) for i in best]
+            seen = torch.cat([seen, eye], -1)
+            cache.mask = seen[:, None]
+            pos = (n + d - 1)[:, None].expand(b, k)
+            out = self.drafter(self.embed(to_target(front_tok)), feats, pos, cache)  # [b, k, H]
+            cand = front_score[..., None] + torch.log_softmax(self._logits(out)[0], -1)
+            val, idx = cand.topk(k, -1)  # [b, k, k] best children of each frontier node
+            val, idx = val.flatten(1), idx.flatten(1)
+            tokens.append(idx)
+            scores.append(val)
+            parents.append(frontier.repeat_interleave(k, 1))
+            best = val.topk(k).indices  # the next frontier: best children overall
             rows = best // k
-            feats = out[rows]
-            cache.select(rows)
-        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: min(self.total, budget)]
-        keep.sort()  # creation order: parents before children, siblings best first
-        where = {old: new for new, old in enumerate(keep)}
-        return Draft([tokens[i] for i in keep], None,
-                     [where[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+            frontier = k + (d - 1) * k * k + best
+            front_tok, front_score = idx.gather(1, best), val.gather(1, best)
+            feats = out.gather(1, rows[..., None].expand(-1, -1, out.shape[-1]))
+            seen = seen.gather(1, rows[..., None].expand(-1, -1, seen.shape[-1]))
+        tok = to_target(torch.cat(tokens, 1)).tolist()
+        par = torch.cat(parents, 1).tolist()
+        order = torch.cat(scores, 1).sort(dim=-1, descending=True, stable=True).indices.tolist()
+        drafts = []
+        for i, r in enumerate(reqs):
+            keep = sorted(order[i][: min(self.total, r.max_tokens)])  # creation order: parents first
+            where = {old: new for new, old in enumerate(keep)}
+            drafts.append(Draft([tok[i][j] for j in keep], None,
+                                [where[par[i][j]] if par[i][j] >= 0 else -1 for j in keep]))
+        return drafts

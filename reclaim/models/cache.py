@@ -1,4 +1,5 @@
-"""The attention-cache interface models call, and a contiguous cache for single runs.
+"""The attention-cache interface models call, a contiguous cache for single runs, and a masked
+one for rows of different lengths.
 
 A model never owns inference state: whoever runs it passes an object with `update()`, which stores
 the new keys and values of one layer and hands back what the new queries may attend to. The
@@ -93,3 +94,23 @@ class GivenMask:
 
     def update(self, layer, k, v):
         return k, v, self.mask
+
+
+class MaskedCache:
+    """A preallocated cache for rows that hold different keys (padding, tree branches): the
+    caller sets `mask` [b, 1, T, S + T] before each forward, and a forward of b rows uses the
+    first b (rows that left the batch are the last). Any window is the caller's masks' job."""
+
+    sliding_window = None
+
+    def __init__(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], length: int) -> None:
+        self.keys, self.values = keys, values  # [B, Hkv, capacity, D]; keys before `length` are set
+        self.lengths = dict.fromkeys(keys, length)
+        self.mask: torch.Tensor | None = None
+
+    def update(self, layer, k, v):
+        b, s, t = k.shape[0], self.lengths[layer], k.shape[2]
+        self.keys[layer][:b, :, s:s + t] = k
+        self.values[layer][:b, :, s:s + t] = v
+        self.lengths[layer] = s + t
+        return self.keys[layer][:b, :, :s + t], self.values[layer][:b, :, :s + t], self.mask

@@ -13,7 +13,7 @@ from engine_helpers import make_pair
 from reclaim.engine.eagle import EagleProposer
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.speculative import SpeculativeConfig
+from reclaim.engine.speculative import DraftRequest, SpeculativeConfig
 from reclaim.models.cache import DenseCache
 from reclaim.models.drafter import load_drafter, new_drafter, save_drafter
 from test_speculative import _prompts
@@ -261,3 +261,76 @@ def test_keyed_draws_follow_the_target_distribution():
     for seed in range(5000):
         counts[sample(logits, [params], [keyed_uniform(seed, 17)])[0]] += 1
     assert _chi2(counts, probs(logits, [params])[0]) < CHI2_CRITICAL_5DF
+
+
+def _drive(proposer, propose, gens, budgets):
+    """Several steps of observe + propose over sequences of different lengths, asking for
+    different numbers of tokens with greedy, seeded and generator-sampled params (plus a sequence
+    not ready yet, a recomputed one and a shared prefix); the drafts and states of each step."""
+    target = proposer.target
+    g = torch.Generator().manual_seed(21)
+    seqs = {f"s{i}": torch.randint(2, 96, (n,), generator=g).tolist() for i, n in enumerate([30, 44, 12, 38, 25, 50])}
+    seqs["s0"][:11] = seqs["s1"][:11]  # a shared prompt (pairs up to (f_9, x_10) alike)
+    with torch.no_grad():
+        hidden = {s: target(torch.tensor([ids]), return_hidden=True, compute_logits=False).hidden[0]
+                  for s, ids in seqs.items()}
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=20, seed=7),
+             SamplingParams(temperature=0.8, top_p=0.9)]
+    seen = dict.fromkeys(seqs, 0)
+    out = []
+    for step, ends in enumerate([[9, 17, 5, 23, 12, 3], [12, 18, 8, 25, 12, 7], [13, 21, 11, 29, 16, 8]]):
+        if step == 2:  # s1 recomputed from position 6 (as after a preemption); s0 restarts on s1's prompt
+            seen["s1"] = 6
+            proposer.share("s1", "s0", 10)
+            seen["s0"] = 10
+        asks = []
+        for i, (s, n) in enumerate(zip(seqs, ends)):
+            upto = n if s != "s4" or step else n - 2  # s4 is one step behind the first time: not ready
+            if upto > seen[s]:
+                proposer.observe(s, seen[s], seqs[s][seen[s]:upto], hidden[s][seen[s]:upto])
+                seen[s] = upto
+            params = kinds[(i + step) % 3]
+            asks.append(DraftRequest(s, seqs[s][: n + 1], budgets[(i + step) % 6], params,
+                                     gens[s] if params.seed is None and not params.greedy else None))
+        drafts = propose(asks)
+        states = {s: (st.length, len(st.feats), {layer: (st.cache.keys[layer].clone(), st.cache.values[layer].clone())
+                                                  for layer in st.cache.keys}) for s, st in proposer._states.items()}
+        out.append((drafts, states))
+    return out
+
+
+@pytest.mark.parametrize("topk,vocab", [(1, None), (3, None), (1, 40), (3, 40)])
+def test_batched_proposals_equal_proposing_one_sequence_at_a_time(target_and_drafter, topk, vocab):
+    """One drafter forward per depth for every sequence gives each sequence the draft (tokens,
+    q, tree) and the drafter cache it would get proposing alone, with the same random draws."""
+    from eagle_reference import propose_one
+    from reclaim.models.drafter import EagleDrafter
+
+    target, _ = target_and_drafter
+    torch.manual_seed(5)  # a reduced draft vocabulary (its q still over all 96 tokens) or the whole one
+    drafter = EagleDrafter(target.config, None if vocab is None else torch.arange(0, 2 * vocab, 2))
+    with torch.no_grad():  # sharp weights: attention moves the drafts, so a wrong mask shows
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    make = lambda: EagleProposer(drafter, target, topk=topk, depth=4, total=30)
+    budgets = [4, 1, 3, 0, 2, 4] if topk == 1 else [30, 1, 12, 0, 6, 30]  # a whole tree: 3 + 3 * 9 nodes
+    gens = lambda: {f"s{i}": torch.Generator().manual_seed(i) for i in range(6)}
+    batched, one = make(), make()
+    got = _drive(batched, batched.propose, gens(), budgets)
+    want = _drive(one, lambda asks: [propose_one(one, r) for r in asks], gens(), budgets)
+    assert any(d.q is not None for d in got[0][0]) == (topk == 1)  # sampled chains carry q
+    assert got[0][0][4].tokens == [] and got[1][0][4].tokens  # s4 is not ready the first time
+    for (drafts, states), (ref, ref_states) in zip(got, want):
+        assert [d.tokens for d in drafts] == [d.tokens for d in ref] and any(d.tokens for d in ref)
+        assert [d.parents for d in drafts] == [d.parents for d in ref]
+        for d, r in zip(drafts, ref):
+            assert (d.q is None) == (r.q is None)
+            if d.q is not None:
+                torch.testing.assert_close(d.q, r.q, atol=1e-5, rtol=0)
+        assert states.keys() == ref_states.keys()
+        for s, (length, feats, kv) in states.items():
+            assert (length, feats) == ref_states[s][:2] and kv.keys() == ref_states[s][2].keys()
+            for layer, (k, v) in kv.items():
+                torch.testing.assert_close(k, ref_states[s][2][layer][0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(v, ref_states[s][2][layer][1], atol=1e-5, rtol=1e-5)
