@@ -55,9 +55,14 @@ def _fit(model: str | None, dtype: str, kv_cache_memory: float | None, *, max_mo
 
 
 SPEC_OPT = typer.Option(None, "--speculative", help="Speculative decoding: none, ngram (prompt lookup), "
-                        "eagle:PATH (an EAGLE drafter directory) or eagle (the default model's drafter, "
-                        "trained and cached on first use). Lossless: same outputs as plain decoding.")
-SPEC_TOKENS_OPT = typer.Option(None, "--num-speculative-tokens", help="Draft depth per step (default 4).")
+                        "suffix (history: the prompt, other completions of it and recent outputs; no model), "
+                        "eagle:PATH (an EAGLE drafter directory), eagle (the default model's drafter, "
+                        "trained and cached on first use), hybrid:PATH or hybrid (suffix and eagle drafts "
+                        "merged into one verify tree). Lossless: same outputs as plain decoding.")
+SPEC_TOKENS_OPT = typer.Option(None, "--num-speculative-tokens", help="Draft depth per step (default 4; suffix "
+                               "and hybrid 16).")
+SUFFIX_CACHE_OPT = typer.Option(None, "--suffix-cache-tokens", help="suffix, hybrid: tokens of finished "
+                                "sequences kept as history (default 262144; least recently used out).")
 SPEC_BATCH_OPT = typer.Option(None, "--spec-max-batch", help="Speculation turns off above this many running "
                               "sequences (default 4).")
 SPEC_TOPK_OPT = typer.Option(None, "--eagle-topk", help="eagle: branches per draft node; > 1 drafts a tree.")
@@ -71,17 +76,21 @@ def _speculative(spec: str | None, model: str | None, **fields: int | None):
     """The SpeculativeConfig for --speculative and its flags; 'eagle' alone is the default drafter."""
     from reclaim.engine.speculative import parse_speculative
 
-    if spec == "eagle":
+    if spec in ("eagle", "hybrid", "suffix+eagle"):
         if model not in (None, "default"):
-            raise typer.BadParameter("--speculative eagle (no path) is the default model's drafter; "
-                                     "for another model give eagle:PATH")
+            raise typer.BadParameter(f"--speculative {spec} (no path) is the default model's drafter; "
+                                     f"for another model give {spec}:PATH")
         from reclaim.rl.drafter_trainer import default_drafter_dir
 
-        spec = f"eagle:{default_drafter_dir()}"
+        spec = f"{spec}:{default_drafter_dir()}"
+    if fields.get("suffix_cache_tokens") is not None and (spec or "none").partition(":")[0] not in \
+            ("suffix", "hybrid", "suffix+eagle"):
+        raise typer.BadParameter(f"--suffix-cache-tokens is for --speculative suffix or hybrid, not {spec!r}")
     try:
         return parse_speculative(spec, num_speculative_tokens=fields.get("num_speculative_tokens"),
                                  max_batch=fields.get("max_batch"), eagle_topk=fields.get("eagle_topk"),
                                  num_draft_tokens=fields.get("num_draft_tokens"),
+                                 suffix_cache_tokens=fields.get("suffix_cache_tokens"),
                                  dynamic_depth=False if fields.get("fixed_depth") else None)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
@@ -148,6 +157,7 @@ def generate(
     eagle_topk: int = SPEC_TOPK_OPT,
     num_draft_tokens: int = SPEC_TREE_OPT,
     spec_fixed_depth: bool = SPEC_FIXED_OPT,
+    suffix_cache_tokens: int = SUFFIX_CACHE_OPT,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout."""
     import sys
@@ -157,7 +167,8 @@ def generate(
 
     params = _sampling(max_tokens, temperature, top_p, seed)
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
-                        num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth)
+                        num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
+                        suffix_cache_tokens=suffix_cache_tokens)
     engine = _engine(model, dtype, kv_cache_memory, spec)
     ids = engine.tokenizer.encode(prompt) if raw else encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
     stream(engine, ids, params, sys.stdout)
@@ -177,6 +188,7 @@ def chat(
     eagle_topk: int = SPEC_TOPK_OPT,
     num_draft_tokens: int = SPEC_TREE_OPT,
     spec_fixed_depth: bool = SPEC_FIXED_OPT,
+    suffix_cache_tokens: int = SUFFIX_CACHE_OPT,
 ) -> None:
     """Chat on stdin: one message per line, replies streamed, history kept ('/reset' clears it)."""
     import sys
@@ -185,7 +197,8 @@ def chat(
 
     params = _sampling(max_tokens, temperature, top_p, seed)
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
-                        num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth)
+                        num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
+                        suffix_cache_tokens=suffix_cache_tokens)
     chat_loop(_engine(model, dtype, kv_cache_memory, spec), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
 
 
@@ -283,6 +296,7 @@ def serve(
     eagle_topk: int = SPEC_TOPK_OPT,
     num_draft_tokens: int = SPEC_TREE_OPT,
     spec_fixed_depth: bool = SPEC_FIXED_OPT,
+    suffix_cache_tokens: int = SUFFIX_CACHE_OPT,
     learn: bool = typer.Option(False, "--learn", help="Learn from feedback while serving (POST /v1/feedback): "
                                "prompts recorded at prefill, trained between engine steps."),
     learn_config: str = typer.Option(None, "--config", help="With --learn: YAML file or bundled name of "
@@ -305,7 +319,8 @@ def serve(
                                  "give it once")
     model = model or model_opt
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, max_batch=spec_max_batch,
-                        eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth)
+                        eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
+                        suffix_cache_tokens=suffix_cache_tokens)
     learn_cfg = _learn_config(learn, learn_config, record=record, record_budget=record_budget,
                               record_host_budget=record_host_budget)
     _, _, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=max_num_seqs, device=device,

@@ -81,9 +81,12 @@ def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batc
                speculative: Any) -> dict[str, Any]:
     """Generate every prompt with at most `batch` running; tokens/s, tau, draft share, outputs."""
     from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
 
     engine = Engine(model, tok, max_num_seqs=batch, max_model_len=1024, speculative=speculative, seed=0)
-    engine.generate(prompts[:1], params)  # warm-up
+    # Warm-up on the chat template's first tokens only: a history drafter must not have seen the
+    # answers it is measured on (it starts with nothing, as a fresh server does).
+    engine.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))
     engine.spec_stats.update({k: 0 for k in engine.spec_stats})
     t = time.perf_counter()
     outs = engine.generate(prompts, params)

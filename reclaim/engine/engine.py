@@ -29,9 +29,10 @@ from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
+from reclaim.engine.drafters import HYBRID_MODES, make_drafter
 from reclaim.engine.speculative import (
-    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, SpecGate, StepCosts, accept, accept_keyed, accept_tree, accept_tree_keyed,
-    make_drafter,
+    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, SpecGate, StepCosts, accept, accept_keyed,
+    accept_tree, accept_tree_keyed,
 )
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
@@ -130,7 +131,8 @@ class Engine:
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "plain_decodes": 0}
         self.step_costs = StepCosts()  # decode steps' seconds by batch and draft tokens
-        self.spec_gate = SpecGate()  # whether speculating pays, per batch size (dynamic depth)
+        self._gates: dict[tuple[str, ...], SpecGate] = {}
+        self.spec_gate = self._gate(speculative)  # which arm pays, per batch size (dynamic depth)
         self.depths = self._depth_controller(speculative, self.step_costs)
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
@@ -247,9 +249,14 @@ class Engine:
             spec = self.speculative
             batch = len(self.scheduler.running)
             speculate = spec is not None and batch <= spec.max_batch
-            if speculate and self.depths is not None and not self.spec_gate.allow(batch):
-                speculate = False  # dynamic: speculation only at batch sizes where it pays
-                self.spec_stats["plain_decodes"] += batch
+            arm = spec.method if speculate else "plain"
+            if speculate and self.depths is not None:  # dynamic: the arm that pays at this batch size
+                arm = self.spec_gate.choose(batch)
+                speculate = arm != "plain"
+                if not speculate:
+                    self.spec_stats["plain_decodes"] += batch
+                elif arm in HYBRID_MODES and hasattr(self.drafter, "mode"):
+                    self.drafter.mode = arm
             sched = self.scheduler.schedule(self._lookahead if speculate else 0)
             self.last_schedule = sched
             self.num_preemptions += len(sched.preempted)
@@ -265,7 +272,7 @@ class Engine:
                 seconds, drafted = time.perf_counter() - t0, self.spec_stats["drafted"] - drafted
                 self.step_costs.observe(len(sched.chunks), drafted, seconds)
                 committed = sum(len(t) for _, t, _ in executed if not isinstance(t, Exception))
-                self.spec_gate.update(len(sched.chunks), drafted > 0, committed, seconds)
+                self.spec_gate.update(len(sched.chunks), arm if drafted > 0 else "plain", committed, seconds)
             for rid, tokens, lps in executed:
                 req = self._requests[rid]
                 if isinstance(tokens, Exception):
@@ -296,6 +303,17 @@ class Engine:
                 outputs.append(output(req, [], [] if req.logprobs is not None else None, self.weights_version))
         return outputs
 
+    def _gate(self, spec: SpeculativeConfig | None) -> SpecGate:
+        """The gate over plain and the method, or for a hybrid drafter each of its modes (one per
+        set of arms, kept across config changes: what it measured stays)."""
+        if spec is not None and spec.method == "hybrid" and hasattr(self.drafter, "mode"):
+            arms = ("plain", *HYBRID_MODES)
+        else:
+            arms = ("plain", spec.method if spec is not None else "spec")
+        if arms not in self._gates:
+            self._gates[arms] = SpecGate(arms)
+        return self._gates[arms]
+
     @staticmethod
     def _depth_controller(spec: SpeculativeConfig | None, costs: StepCosts) -> DepthController | None:
         if spec is None or not spec.dynamic_depth:
@@ -309,12 +327,12 @@ class Engine:
         spec = self.speculative
         if not self._can_speculate(seq.params):
             return 0
-        if self.depths is None:
+        if self.depths is None or spec.history:  # a history draft's size follows its own confidence
             return spec.lookahead
         k = self.depths.depth(seq.request_id, len(self.scheduler.running))
         if k == 0:
             self.spec_stats["plain_decodes"] += 1
-        return k if spec.eagle_topk == 1 else (spec.lookahead if k else 0)
+        return spec.lookahead if spec.tree and k else k
 
     def _can_speculate(self, params: SamplingParams) -> bool:
         """Requests whose logits are processed speculate in chains only (each draft position's
@@ -322,7 +340,7 @@ class Engine:
         be able to roll back the draft tokens it was advanced over."""
         if not params.processes_logits:
             return True
-        return self.speculative.eagle_topk == 1 and (params.constraint is None
+        return not self.speculative.tree and (params.constraint is None
                                                      or hasattr(params.constraint, "rollback"))
 
     def _release(self, req: RequestState) -> None:
@@ -333,6 +351,9 @@ class Engine:
         if self.depths is not None:
             self.depths.release(req.seq.request_id)
         if self.drafter is not None:
+            finish = getattr(self.drafter, "finish", None)
+            if finish is not None:
+                finish(req.seq.request_id, req.seq.token_ids, req.seq.num_prompt_tokens)
             self.drafter.release(req.seq.request_id)
 
     def _fail(self, req: RequestState, exc: Exception) -> RequestOutput:
@@ -512,9 +533,13 @@ class Engine:
     def _drafts(self, chunks: list[ScheduledChunk]) -> dict[str, Draft]:
         """Drafts for the decodes the scheduler left room for (empty drafts dropped)."""
         t0 = time.perf_counter()
-        asks = [DraftRequest(c.request_id, self._requests[c.request_id].seq.token_ids, c.lookahead,
-                             self._requests[c.request_id].seq.params, self._requests[c.request_id].generator)
-                for c in chunks if c.lookahead > 0 and self._can_speculate(self._requests[c.request_id].seq.params)]
+        if self.speculative is None or not any(c.lookahead for c in chunks):
+            return {}
+        cost = self.depths.cost_per_token(len(chunks)) if self.depths is not None else self.speculative.draft_token_cost
+        asks = [DraftRequest(c.request_id, r.seq.token_ids, c.lookahead, r.seq.params, r.generator,
+                             r.seq.num_prompt_tokens, cost)
+                for c in chunks if c.lookahead > 0
+                for r in [self._requests[c.request_id]] if self._can_speculate(r.seq.params)]
         if not asks:
             return {}
         drafts = {}
@@ -587,8 +612,11 @@ class Engine:
             if config is not None and hasattr(self.drafter, "topk"):
                 self.drafter.topk, self.drafter.depth = config.eagle_topk, config.num_speculative_tokens
                 self.drafter.total = config.lookahead
+            if config is not None and hasattr(self.drafter, "mode"):
+                self.drafter.mode = config.method if config.method in HYBRID_MODES else "hybrid"
             self.speculative = config
             self.depths = self._depth_controller(config, self.step_costs)  # measured costs stay
+            self.spec_gate = self._gate(config)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy new weights in between steps (the names of model.state_dict()); returns the new version.

@@ -29,21 +29,36 @@ import torch
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.sampling import keyed_uniform, probs, sanitize
 
-SPECULATIVE_METHODS = ("ngram", "eagle")
+SPECULATIVE_METHODS = ("ngram", "suffix", "eagle", "hybrid")
+MODEL_METHODS = ("eagle", "hybrid")  # the methods that need a drafter directory
 
 
 @dataclass
 class SpeculativeConfig:
-    """What speculates and how much; names follow vLLM's `speculative_config`."""
+    """What speculates and how much; names follow vLLM's `speculative_config`.
+
+    Methods: ngram (prompt lookup), suffix (history: the prompt, the other completions of the
+    same prompt and recent outputs, history.py), eagle (a drafter model), hybrid (suffix and
+    eagle drafts merged into one tree per sequence, verified together).
+    """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # draft depth (steps): at most this many tokens accepted
+    # Draft depth: at most this many tokens accepted a step (default 4; suffix 16: history drafts
+    # cost nothing to make, and their size follows their confidence).
+    num_speculative_tokens: int | None = None
     max_batch: int = 4  # speculation turns off while more sequences than this are running
     eagle_topk: int = 1  # eagle: branches per node; 1 drafts a chain, > 1 a tree
-    num_draft_tokens: int | None = None  # eagle tree: tokens verified per step (default depth x topk)
+    num_draft_tokens: int | None = None  # trees: tokens verified per step (default depth x branches)
     prompt_lookup_min: int = 1  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 4  # ngram: longest suffix to look up
-    model: str | None = None  # eagle: drafter directory
+    model: str | None = None  # eagle, hybrid: drafter directory
+    suffix_topk: int = 1  # suffix: branches per node; > 1 drafts a tree
+    suffix_cache_tokens: int = 1 << 18  # suffix: tokens of finished sequences kept (least recently used out)
+    suffix_max_tree_depth: int = 24  # suffix: longest substring indexed (vLLM's suffix_decoding_max_tree_depth)
+    suffix_max_spec_factor: float = 1.0  # suffix: a draft path is at most this times the match length
+    suffix_min_token_prob: float = 0.05  # suffix: tokens less likely than this are not drafted
+    suffix_history_steps: int | None = None  # suffix: rounds (GRPO steps) of finished sequences kept; None: all
+    hybrid_eagle_tokens: int = 4  # hybrid: the EAGLE chain's depth beside the suffix draft
     # Per-request depth from its measured acceptance (DepthController): a sequence the drafter
     # keeps missing decodes plainly (re-probed now and then) instead of paying for drafts.
     dynamic_depth: bool = True
@@ -51,15 +66,30 @@ class SpeculativeConfig:
     draft_token_cost: float = 0.05  # drafting and verifying one more token, in plain decode steps
 
     @property
+    def tree(self) -> bool:
+        """Drafts are trees (verified through the tree path) rather than chains."""
+        return self.method == "hybrid" or (self.eagle_topk > 1 if self.method == "eagle" else self.suffix_topk > 1)
+
+    @property
     def lookahead(self) -> int:
         """Draft tokens a decode verifies per step (what the scheduler reserves)."""
-        if self.eagle_topk == 1:
+        if not self.tree:
             return self.num_speculative_tokens
-        return self.num_draft_tokens or self.num_speculative_tokens * self.eagle_topk
+        if self.method == "hybrid":
+            return self.num_draft_tokens or self.num_speculative_tokens + self.hybrid_eagle_tokens
+        branches = self.eagle_topk if self.method == "eagle" else self.suffix_topk
+        return self.num_draft_tokens or self.num_speculative_tokens * branches
+
+    @property
+    def history(self) -> bool:
+        """A history drafter takes part (its draft size follows its own confidence)."""
+        return self.method in ("suffix", "hybrid")
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {self.method!r} is unknown; allowed: {list(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 16 if self.history else 4
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}; allowed: 1 to 64")
         if self.max_batch < 1:
@@ -69,27 +99,46 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_max}; need 1 <= min <= max")
         if not 1 <= self.eagle_topk <= 16:
             raise ValueError(f"eagle_topk={self.eagle_topk}; allowed: 1 (a chain) to 16")
-        if self.eagle_topk > 1 and self.method != "eagle":
-            raise ValueError(f"eagle_topk={self.eagle_topk} drafts a tree, which only method 'eagle' does")
+        if self.eagle_topk > 1 and self.method not in MODEL_METHODS:
+            raise ValueError(f"eagle_topk={self.eagle_topk} drafts an EAGLE tree, which only methods "
+                             f"{list(MODEL_METHODS)} do")
+        if not 1 <= self.suffix_topk <= 16:
+            raise ValueError(f"suffix_topk={self.suffix_topk}; allowed: 1 (a chain) to 16")
         if self.num_draft_tokens is not None and not self.num_speculative_tokens <= self.num_draft_tokens <= 256:
             raise ValueError(f"num_draft_tokens={self.num_draft_tokens}; allowed: "
                              f"num_speculative_tokens ({self.num_speculative_tokens}) to 256")
         if self.draft_overhead < 0 or self.draft_token_cost < 0:
             raise ValueError(f"draft_overhead={self.draft_overhead}, draft_token_cost={self.draft_token_cost}; "
                              "allowed: >= 0 (costs in plain decode steps)")
-        if self.method == "eagle" and not self.model:
-            raise ValueError("speculative method 'eagle' needs a drafter directory (model=PATH)")
+        if self.suffix_cache_tokens < 1:
+            raise ValueError(f"suffix_cache_tokens={self.suffix_cache_tokens}; allowed: >= 1 (tokens of "
+                             "finished sequences the history drafter keeps)")
+        if not 2 <= self.suffix_max_tree_depth <= 256:
+            raise ValueError(f"suffix_max_tree_depth={self.suffix_max_tree_depth}; allowed: 2 to 256")
+        if self.suffix_max_spec_factor <= 0 or not 0 <= self.suffix_min_token_prob < 1:
+            raise ValueError(f"suffix_max_spec_factor={self.suffix_max_spec_factor}, suffix_min_token_prob="
+                             f"{self.suffix_min_token_prob}; need a factor > 0 and 0 <= prob < 1")
+        if self.suffix_history_steps is not None and self.suffix_history_steps < 0:
+            raise ValueError(f"suffix_history_steps={self.suffix_history_steps}; allowed: >= 0, or None (all)")
+        if not 1 <= self.hybrid_eagle_tokens <= 64:
+            raise ValueError(f"hybrid_eagle_tokens={self.hybrid_eagle_tokens}; allowed: 1 to 64")
+        if self.method in MODEL_METHODS and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs a drafter directory (model=PATH)")
 
 
-def parse_speculative(spec: str | None, **fields: int | None) -> SpeculativeConfig | None:
-    """`--speculative` as a config: None or 'none' (off), 'ngram', 'eagle:PATH'; `fields` are
-    SpeculativeConfig's other fields (None keeps the default)."""
+SPEC_FORMS = "none, ngram, suffix, eagle:PATH, hybrid:PATH (suffix+eagle:PATH), where PATH is an EAGLE drafter directory"
+
+
+def parse_speculative(spec: str | None, **fields: int | float | None) -> SpeculativeConfig | None:
+    """`--speculative` as a config: None or 'none' (off), 'ngram', 'suffix', 'eagle:PATH',
+    'hybrid:PATH' or 'suffix+eagle:PATH'; `fields` are SpeculativeConfig's other fields (None
+    keeps the default)."""
     if spec is None or spec == "none":
         return None
     method, _, path = spec.partition(":")
-    if method not in SPECULATIVE_METHODS or (method == "ngram" and path):
-        raise ValueError(f"--speculative {spec!r} is unknown; allowed: none, ngram, eagle:PATH (a drafter "
-                         "directory in the EAGLE layout)")
+    method = "hybrid" if method == "suffix+eagle" else method
+    if method not in SPECULATIVE_METHODS or (method in MODEL_METHODS) != bool(path):
+        raise ValueError(f"--speculative {spec!r} is unknown; allowed: {SPEC_FORMS}")
     return SpeculativeConfig(method=method, model=path or None, **{k: v for k, v in fields.items() if v is not None})
 
 
@@ -144,30 +193,37 @@ class StepCosts:
 
 
 class SpecGate:
-    """Whether speculating pays at a batch size, judged by what it yields: per batch size, a
-    decayed mean of tokens committed per second over decode steps that verified drafts and over
-    steps that did not. Speculation stays on while its mean is at least plain's (or either is
-    not measured yet); the losing side still runs one step in `probe_every`, so a change (a
-    drafter that starts hitting, a batch that empties) is noticed. What TLT's bandit does per
-    batch bucket, with two arms, inside the engine."""
+    """Which way of decoding pays at a batch size, judged by what each yields: per batch size, a
+    decayed mean of tokens committed per second over the decode steps of each arm ("plain", or
+    a drafter's mode). The best arm runs (speculative arms not measured yet first); one step in
+    `probe_every` goes to another arm in turn, so a change (a drafter that starts hitting, a
+    batch that empties) is noticed. What TLT's bandit does per batch bucket, inside the engine."""
 
-    def __init__(self, probe_every: int = 16, decay: float = 0.8) -> None:
-        self.probe_every, self.decay = probe_every, decay
-        self._rate: dict[tuple[int, bool], float] = {}  # (batch, speculated) -> tokens/s
+    def __init__(self, arms: tuple[str, ...] = ("plain", "spec"), probe_every: int = 16, decay: float = 0.8) -> None:
+        if "plain" not in arms or len(arms) < 2:
+            raise ValueError(f"gate arms {arms}: need 'plain' and at least one speculative arm")
+        self.arms, self.probe_every, self.decay = arms, probe_every, decay
+        self._rate: dict[tuple[int, str], float] = {}  # (batch, arm) -> tokens/s
         self._steps: dict[int, int] = {}
 
-    def allow(self, batch: int) -> bool:
-        """Speculate in this step at `batch` running sequences."""
-        spec, plain = self._rate.get((batch, True)), self._rate.get((batch, False))
+    def choose(self, batch: int) -> str:
+        """The arm this step runs at `batch` running sequences."""
         n = self._steps[batch] = self._steps.get(batch, 0) + 1
-        better = spec is None or plain is None or spec >= plain
-        return better != (n % self.probe_every == 0)  # one probe of the other side in probe_every
 
-    def update(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decode-only step's outcome: `tokens` committed in `seconds`."""
+        def rate(arm: str) -> float:
+            got = self._rate.get((batch, arm))
+            return got if got is not None else (float("-inf") if arm == "plain" else float("inf"))
+        best = max(self.arms, key=rate)
+        if n % self.probe_every:
+            return best
+        others = [a for a in self.arms if a != best]
+        return others[(n // self.probe_every) % len(others)]
+
+    def update(self, batch: int, arm: str, tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome: `tokens` committed in `seconds` by `arm`."""
         if seconds <= 0:
             return
-        key, rate = (batch, speculated), tokens / seconds
+        key, rate = (batch, arm), tokens / seconds
         old = self._rate.get(key)
         self._rate[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
 
@@ -238,6 +294,8 @@ class DraftRequest:
     max_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt
+    token_cost: float = 0.05  # one more draft token's cost at this step's batch, in plain decode steps
 
 
 @dataclass
@@ -285,8 +343,13 @@ class Drafter(Protocol):
         """The target's final hidden states [len(token_ids), H] at positions start, start + 1, ..."""
         ...
 
+    def finish(self, seq_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """The sequence ended (finished, aborted or failed) with these tokens, prompt first;
+        release follows. A history drafter keeps them."""
+        ...
+
     def release(self, seq_id: str) -> None:
-        """The sequence finished or was aborted."""
+        """Forget the sequence."""
         ...
 
 
@@ -310,6 +373,9 @@ class NgramDrafter:
         return []
 
     def observe(self, seq_id: str, start: int, token_ids: list[int], hidden: torch.Tensor) -> None:
+        pass
+
+    def finish(self, seq_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
         pass
 
     def release(self, seq_id: str) -> None:
@@ -440,13 +506,3 @@ def accept_tree(
         path.append(nxt)
         out.append(draft.tokens[nxt])
         node, row = nxt, nxt + 1
-
-
-def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) -> Drafter:
-    """The drafter a config names."""
-    if cfg.method == "ngram":
-        return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    from reclaim.engine.eagle import EagleProposer
-
-    return EagleProposer.load(cfg.model, target, topk=cfg.eagle_topk, depth=cfg.num_speculative_tokens,
-                              total=cfg.lookahead)

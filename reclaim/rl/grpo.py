@@ -54,7 +54,7 @@ import torch
 from reclaim.checkpoints import CHECKPOINT_PREFIX, trim_log
 from reclaim.checkpoints import checkpoints as list_checkpoints
 from reclaim.data.tasks import RG_PREFIX, TASK_FAMILIES, rg_names, rg_tasks
-from reclaim.engine.speculative import SpeculativeConfig
+from reclaim.engine.speculative import MODEL_METHODS, SPECULATIVE_METHODS as SPEC_METHODS, SpeculativeConfig
 from reclaim.optim import adamw
 from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
@@ -131,10 +131,16 @@ class GRPOConfig:
     resume_from_checkpoint: bool = False
     # Rollouts with speculative decoding in the long tail (TLT). Lossless, and with the per-request
     # seeds the completions are identical with it on or off: only the rollout time changes.
-    speculative: str = "none"  # none | ngram | eagle:PATH | eagle (the bundled model's drafter)
+    # none | ngram | suffix | eagle:PATH | eagle (the bundled model's drafter) | hybrid:PATH | hybrid
+    # suffix drafts from history: the prompt, the group's other completions (finished or still
+    # decoding) and the prompt's completions of the last suffix_history_steps steps (DAS);
+    # hybrid merges suffix and EAGLE drafts into one verify tree.
+    speculative: str = "none"
     spec_threshold: int = 4  # speculate only while at most this many sequences are in flight
-    spec_depths: list[int] = field(default_factory=lambda: [2, 4])  # draft depths: the bandit's arms
-    adaptive: bool = True  # a bandit per batch-size bucket picks plain or a depth; False: the deepest
+    spec_depths: list[int] = field(default_factory=lambda: [2, 4])  # EAGLE / ngram draft depths: the bandit's arms
+    adaptive: bool = True  # a bandit per batch-size bucket picks plain or an arm; False: the last arm always
+    suffix_history_steps: int | None = 4  # suffix, hybrid: steps of a prompt's completions kept; None: all
+    suffix_cache_tokens: int = 1 << 20  # suffix, hybrid: tokens of finished completions kept in all
     bandit_policy: str = "epsilon_greedy"  # or ucb1
     bandit_epsilon: float = 0.1
     # The EAGLE drafter trained online on the rollouts' hidden states (TLT; needs speculative eagle):
@@ -193,15 +199,19 @@ class GRPOConfig:
         elif not Path(self.dataset).expanduser().is_file():
             raise ValueError(f"dataset {self.dataset!r} is not a file (JSON lines with 'prompt' and 'answer')")
         if self.speculative != "none":
-            method = self.speculative.partition(":")[0]
-            if method not in ("ngram", "eagle") or (method == "ngram" and ":" in self.speculative):
-                raise ValueError(f"speculative={self.speculative!r}; allowed: none, ngram, eagle, eagle:PATH")
+            method, colon, _ = self.speculative.partition(":")
+            if method not in SPEC_METHODS or (method in ("ngram", "suffix") and colon):
+                raise ValueError(f"speculative={self.speculative!r}; allowed: none, ngram, suffix, eagle, eagle:PATH, "
+                                 "hybrid, hybrid:PATH")
             if not self.spec_depths or min(self.spec_depths) < 1 or self.spec_threshold < 1:
                 raise ValueError(f"spec_depths={self.spec_depths}, spec_threshold={self.spec_threshold}: need "
                                  "depths >= 1 and a threshold >= 1")
-        if self.drafter_online and not self.speculative.startswith("eagle"):
-            raise ValueError(f"drafter_online trains an EAGLE drafter; it needs speculative eagle or eagle:PATH, "
-                             f"got speculative={self.speculative!r}")
+        if (self.suffix_history_steps is not None and self.suffix_history_steps < 0) or self.suffix_cache_tokens < 1:
+            raise ValueError(f"suffix_history_steps={self.suffix_history_steps}, suffix_cache_tokens="
+                             f"{self.suffix_cache_tokens}: need steps >= 0 (or None: all) and tokens >= 1")
+        if self.drafter_online and not self.speculative.startswith(("eagle", "hybrid")):
+            raise ValueError(f"drafter_online trains an EAGLE drafter; it needs speculative eagle, eagle:PATH, "
+                             f"hybrid or hybrid:PATH, got speculative={self.speculative!r}")
         for name in ("drafter_buffer_tokens", "drafter_max_steps_per_rollout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -429,29 +439,45 @@ def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig,
 
 
 def drafter_path(cfg: GRPOConfig) -> str:
-    """The EAGLE drafter directory cfg.speculative names (eagle: the bundled model's, trained on first use)."""
-    if cfg.speculative == "eagle":
+    """The EAGLE drafter directory cfg.speculative names (eagle, hybrid: the bundled model's,
+    trained on first use)."""
+    method, _, path = cfg.speculative.partition(":")
+    if method not in MODEL_METHODS:
+        raise ValueError(f"speculative={cfg.speculative!r} has no EAGLE drafter")
+    if not path:
         from reclaim.rl.drafter_trainer import default_drafter_dir
 
         return str(default_drafter_dir())
-    method, _, path = cfg.speculative.partition(":")
-    if method != "eagle":
-        raise ValueError(f"speculative={cfg.speculative!r} has no EAGLE drafter")
     return path
 
 
-def speculative_arm(cfg: GRPOConfig, depth: int) -> SpeculativeConfig:
-    """The speculative config of depth `depth` for cfg.speculative (not 'none')."""
-    method = cfg.speculative.partition(":")[0]
-    return SpeculativeConfig(method=method, model=drafter_path(cfg) if method == "eagle" else None,
-                             num_speculative_tokens=depth, max_batch=cfg.spec_threshold)
+def speculative_arm(cfg: GRPOConfig, depth: int | None, method: str | None = None) -> SpeculativeConfig:
+    """A speculative config for cfg.speculative (not 'none'): `method` (default its own) at
+    draft depth `depth` (None: the method's default)."""
+    own = cfg.speculative.partition(":")[0]
+    method = method or own
+    return SpeculativeConfig(method=method, model=drafter_path(cfg) if own in MODEL_METHODS else None,
+                             num_speculative_tokens=depth, max_batch=cfg.spec_threshold,
+                             suffix_history_steps=cfg.suffix_history_steps, suffix_cache_tokens=cfg.suffix_cache_tokens)
+
+
+def spec_arms(cfg: GRPOConfig) -> list[SpeculativeConfig]:
+    """The speculative arms: a config per depth (ngram, eagle), the history drafter (suffix), or
+    for hybrid the history drafter, EAGLE per depth and the merged tree (the last is the default)."""
+    own = cfg.speculative.partition(":")[0]
+    if own == "suffix":
+        return [speculative_arm(cfg, None)]
+    depths = [speculative_arm(cfg, d, "eagle" if own == "hybrid" else own) for d in sorted(cfg.spec_depths)]
+    if own == "hybrid":
+        return [speculative_arm(cfg, None, "suffix"), *depths, speculative_arm(cfg, None)]
+    return depths
 
 
 def rollout_runner(cfg: GRPOConfig, log: Callable[[dict[str, Any]], None] | None = None) -> AdaptiveRollout:
     """How rollouts decode: plain, or speculative in the tail with the config the bandit picks."""
     if cfg.speculative == "none":
         return AdaptiveRollout(None)
-    arms = [speculative_arm(cfg, d) for d in sorted(cfg.spec_depths)]
+    arms = spec_arms(cfg)
     arms = [None, *arms] if cfg.adaptive else arms[-1:]
     bandit = BucketedBandit(arms, buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.spec_threshold] or [1],
                             policy=cfg.bandit_policy, epsilon=cfg.bandit_epsilon, seed=cfg.seed)
@@ -494,6 +520,9 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
                              seed=request_seed(cfg.seed, step, first + i)) for i in range(len(ids))]
     if online is not None:
         online.begin_rollout()
+    next_round = getattr(engine.drafter, "next_round", None)
+    if next_round is not None:  # a history drafter's window of steps moves on
+        next_round()
     t0 = time.perf_counter()
     outs: list = []
     try:  # an error here is raised on every rank after the gather, so none waits for the others forever
@@ -745,13 +774,16 @@ def _open_engine(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, max_le
                                eval_depth=max(cfg.spec_depths))
         if last is not None and (last / "drafter").exists():
             online.load(last, served)
+    from reclaim.engine.drafters import HybridDrafter, history_drafter, make_drafter
+
     drafter = online.proposer(served) if online is not None else None
+    if drafter is not None and cfg.speculative.startswith("hybrid"):  # the online EAGLE drafter beside the history
+        arm = speculative_arm(cfg, None)
+        drafter = HybridDrafter(history_drafter(arm), drafter, model_tokens=arm.hybrid_eagle_tokens)
     if drafter is None and cfg.speculative != "none":
         # Built now, so it follows every sequence from its prefill; one made in the tail could not
         # draft for sequences it has not seen.
-        from reclaim.engine.speculative import make_drafter
-
-        drafter = make_drafter(speculative_arm(cfg, max(cfg.spec_depths)), served)
+        drafter = make_drafter(spec_arms(cfg)[-1], served)
     engine = Engine(served, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len, seed=cfg.seed,
                     drafter=drafter)
     return engine, online

@@ -159,7 +159,7 @@ def test_first_token_distribution_matches_target(params, rule):
         assert stat > CHI2_CRITICAL_5DF, ("the chi-square test cannot tell a wrong rule apart", stat)
 
 
-def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6) -> bool:
+def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6, spec: SpeculativeConfig | None = None) -> bool:
     """Sample n four-token continuations with and without speculation on a tiny-vocabulary
     target; two-sample chi-square over the joint of the first two tokens (the second comes from
     a verified draft) at p = 0.001, a threshold fixed here before any run."""
@@ -168,7 +168,7 @@ def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6) -> bool:
     v = target.config.vocab_size
     plain = _engine(target, max_num_seqs=64, seed=1)
     spec = _engine(target, max_num_seqs=64, seed=2, drafter=drafter,
-                   speculative=SpeculativeConfig(max_batch=64, num_speculative_tokens=2))
+                   speculative=spec or SpeculativeConfig(max_batch=64, num_speculative_tokens=2))
 
     def hist(eng):
         c = torch.zeros(v, v, dtype=torch.float64)
@@ -301,18 +301,39 @@ def test_spec_gate_keeps_speculation_only_where_it_yields_more_tokens_per_second
     more it keeps it on; batch sizes are judged apart."""
     from reclaim.engine.speculative import SpecGate
 
-    gate = SpecGate(probe_every=4)
-    assert gate.allow(4)  # nothing measured: speculate
-    gate.update(4, True, tokens=6, seconds=0.3)  # 20 tok/s speculating
-    gate.update(4, False, tokens=4, seconds=0.16)  # 25 tok/s plain
-    gate.update(1, True, tokens=2, seconds=0.1)  # 20 tok/s speculating at batch 1
-    gate.update(1, False, tokens=1, seconds=0.08)  # 12.5 tok/s plain
-    at4 = [gate.allow(4) for _ in range(12)]
-    at1 = [gate.allow(1) for _ in range(12)]
-    assert at4.count(True) == 3 and at1.count(False) == 3  # the probes
+    gate = SpecGate(("plain", "spec"), probe_every=4)
+    assert gate.choose(4) == "spec"  # nothing measured: speculate
+    gate.update(4, "spec", tokens=6, seconds=0.3)  # 20 tok/s speculating
+    gate.update(4, "plain", tokens=4, seconds=0.16)  # 25 tok/s plain
+    gate.update(1, "spec", tokens=2, seconds=0.1)  # 20 tok/s speculating at batch 1
+    gate.update(1, "plain", tokens=1, seconds=0.08)  # 12.5 tok/s plain
+    at4 = [gate.choose(4) for _ in range(12)]
+    at1 = [gate.choose(1) for _ in range(12)]
+    assert at4.count("spec") == 3 and at1.count("plain") == 3  # the probes
     for _ in range(20):  # the drafter starts hitting at batch 4: its rate overtakes plain's
-        gate.update(4, True, tokens=12, seconds=0.3)
-    assert [gate.allow(4) for _ in range(4)].count(True) == 3
+        gate.update(4, "spec", tokens=12, seconds=0.3)
+    assert [gate.choose(4) for _ in range(4)].count("spec") == 3
+
+
+def test_spec_gate_over_several_drafters_runs_the_best_and_probes_the_rest_in_turn():
+    """With a hybrid drafter's arms the gate tries every speculative arm first, then runs the
+    one with the most tokens per second, each other arm (plain too) probed in turn."""
+    from reclaim.engine.speculative import SpecGate
+
+    gate = SpecGate(("plain", "suffix", "eagle", "hybrid"), probe_every=4)
+    rates = {"plain": 10.0, "suffix": 30.0, "eagle": 15.0, "hybrid": 25.0}
+    seen = []
+    for _ in range(3):  # untried speculative arms first, in order
+        arm = gate.choose(1)
+        seen.append(arm)
+        gate.update(1, arm, tokens=int(rates[arm]), seconds=1.0)
+    assert seen == ["suffix", "eagle", "hybrid"]
+    gate.update(1, "plain", tokens=10, seconds=1.0)
+    picks = [gate.choose(1) for _ in range(36)]
+    assert picks.count("suffix") == 27 and {a: picks.count(a) for a in ("plain", "eagle", "hybrid")} == \
+        {"plain": 3, "eagle": 3, "hybrid": 3}
+    with pytest.raises(ValueError, match="need 'plain'"):
+        SpecGate(("suffix",))
 
 
 def test_dynamic_depth_stops_paying_for_a_drafter_that_misses(tiny):

@@ -33,7 +33,8 @@ def drafter_dir(tiny_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("command", [["generate", "Say hello twice: hello hello"], ["chat"]])
 @pytest.mark.parametrize("spec", ["ngram", "eagle:{d}", "eagle:{d} --eagle-topk 3 --num-draft-tokens 6",
-                                  "eagle:{d} --spec-fixed-depth"])
+                                  "eagle:{d} --spec-fixed-depth", "suffix", "suffix --suffix-cache-tokens 64",
+                                  "hybrid:{d}", "suffix+eagle:{d} --num-speculative-tokens 6 --num-draft-tokens 8"])
 def test_speculative_output_equals_plain(tiny_dir, drafter_dir, command, spec):
     base = [*command, "-m", tiny_dir, "--max-tokens", "24"]
     plain = CliRunner().invoke(app, base, input="Say hello twice: hello hello\n")
@@ -44,11 +45,16 @@ def test_speculative_output_equals_plain(tiny_dir, drafter_dir, command, spec):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("medusa", "'medusa' is unknown; allowed: none, ngram, eagle:PATH"),
+    ("medusa", "'medusa' is unknown; allowed: none, ngram, suffix, eagle:PATH, hybrid:PATH"),
     ("eagle:/no/such/drafter", "/no/such/drafter"),
+    ("hybrid:/no/such/drafter", "/no/such/drafter"),
+    ("suffix:/a/path", "'suffix:/a/path' is unknown; allowed: none, ngram, suffix,"),
+    ("suffix --suffix-cache-tokens 0", "suffix_cache_tokens=0; allowed: >= 1"),
+    ("suffix --suffix-cache-tokens -5", "suffix_cache_tokens=-5; allowed: >= 1"),
+    ("ngram --suffix-cache-tokens 100", "--suffix-cache-tokens is for --speculative suffix or hybrid, not 'ngram'"),
 ])
 def test_bad_speculative_values_are_refused(tiny_dir, spec, message):
-    res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--speculative", spec])
+    res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--speculative", *spec.split()])
     text = re.sub(r"[\s│╭╮╰╯─]+", " ", res.output)  # typer's error box wraps lines
     assert res.exit_code != 0 and message in text, text
 

@@ -320,9 +320,42 @@ def test_speculative_rollouts_give_the_same_run(tiny_model_dir, tmp_path, one_th
     assert (spec / "spec_decisions.jsonl").read_text().count("\n") == sum(r["rollout_spec_decisions"] for r in recs)
 
 
+@pytest.mark.parametrize("speculative", ["suffix", "hybrid:{drafter}"])
+def test_history_drafted_rollouts_give_the_same_run(tiny_model_dir, tmp_path, one_thread, speculative, monkeypatch):
+    """The history drafter (the group's other completions and the prompt's earlier steps; three
+    steps over two prompts, so the third sees its prompt's first) and the hybrid tree change
+    only the rollout time: completions, rewards, losses and weights equal plain rollouts'. (The
+    gate is held on speculating: on a tiny model plain steps are cheaper and it would stop.)"""
+    from reclaim.engine.speculative import SpecGate
+    from reclaim.models.drafter import new_drafter, save_drafter
+    from reclaim.models.loading import load_model
+
+    monkeypatch.setattr(SpecGate, "choose", lambda self, batch: self.arms[-1])
+
+    target, _ = load_model(tiny_model_dir)
+    drafter = save_drafter(new_drafter(target), tmp_path / "drafter")
+    (tmp_path / "even.py").write_text(REWARD_FILE)
+    fields = {"model": str(tiny_model_dir), "reward_funcs": [f"{tmp_path / 'even.py'}:even"], "max_steps": 3,
+              "log_completions": True, "num_prompts": 2, "temperature": 0.05, "num_generations": 4, "learning_rate": 1e-5,
+              "max_completion_length": 16}
+    plain, spec = tmp_path / "plain", tmp_path / "spec"
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields, "output_dir": str(plain)}), progress=False)
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields, "output_dir": str(spec), "spec_threshold": 64,
+                                                "adaptive": False, "speculative": speculative.format(drafter=drafter)}),
+          progress=False)
+    _assert_same_run(plain, spec, 3)
+    assert (spec / "completions.jsonl").read_text() == (plain / "completions.jsonl").read_text()
+    recs = _records(spec / "log.jsonl")
+    assert recs[2].get("rollout_spec_tau", 0) > 1.5, recs[2]  # step 3 drafts its prompt's earlier completions
+
+
 def test_bad_speculative_setting_is_refused():
     with pytest.raises(ValueError, match="speculative='medusa'"):
         GRPOConfig(speculative="medusa")
+    with pytest.raises(ValueError, match="speculative='suffix:x'"):
+        GRPOConfig(speculative="suffix:x")
+    with pytest.raises(ValueError, match="suffix_cache_tokens=0"):
+        GRPOConfig(speculative="suffix", suffix_cache_tokens=0)
 
 
 def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_dir, tmp_path):
@@ -335,7 +368,11 @@ def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_di
 
     target, tok = load_model(tiny_model_dir)
     drafter = save_drafter(new_drafter(target), tmp_path / "drafter")
-    for spec, kind in ((f"eagle:{drafter}", EagleProposer), ("none", type(None))):
+    from reclaim.engine.drafters import HybridDrafter
+    from reclaim.engine.history import SuffixDrafter
+
+    for spec, kind in ((f"eagle:{drafter}", EagleProposer), ("none", type(None)), ("suffix", SuffixDrafter),
+                       (f"hybrid:{drafter}", HybridDrafter)):
         cfg = GRPOConfig(model=str(tiny_model_dir), speculative=spec, spec_depths=[3], adaptive=False)
         engine, online = _open_engine(cfg, target, tok, 128, None)
         assert isinstance(engine.drafter, kind) and online is None and engine.speculative is None
