@@ -521,18 +521,20 @@ app.add_typer(drafter_app, name="drafter")
 def drafter_train(
     ctx: typer.Context,
     config: str = typer.Option(None, "--config", help="YAML file of DrafterTrainConfig fields, or a "
-                               "bundled config: drafter-smollm2, drafter-smollm2-large."),
+                               "bundled config: drafter-smollm2, drafter-smollm2-large, drafter-smollm2-eagle3."),
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
     """Train an EAGLE drafter on the target's hidden states over its own answers to chat prompts
-    and reasoning tasks. Any config field can be overridden as `--field value` (e.g.
-    --model DIR --max_steps 500). The drafter (EAGLE layout) lands in output_dir."""
+    and reasoning tasks (drafter_type: eagle3, Eagle3TrainConfig: EAGLE-3, also from prefill over
+    existing text). Any config field can be overridden as `--field value` (e.g. --model DIR
+    --max_steps 500). The drafter (EAGLE or EAGLE-3 layout) lands in output_dir."""
     from reclaim.config import load_config
-    from reclaim.rl.drafter_trainer import DrafterTrainConfig, train
+    from reclaim.rl.eagle3_trainer import train_command
 
     args = list(ctx.args) + (["--resume_from_checkpoint", "true"] if resume else [])
     try:
-        cfg = load_config(DrafterTrainConfig, config, args)
+        config_class, train = train_command(config, args)
+        cfg = load_config(config_class, config, args)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     summary = train(cfg, log=typer.echo)

@@ -3,14 +3,16 @@
 It owns the K/V pool and the LM head kernel. Given rows of new tokens placed after each
 sequence's cached prefix (prefill chunks, decode rows, speculative verify rows), it runs the
 decoder over them together, similar-length rows sharing a forward, and returns their final
-hidden states; `logits` applies the head only where the caller needs it.
+hidden states; `logits` applies the head only where the caller needs it. A drafter that declares
+`aux_layers` (EAGLE-3) gets the states entering those layers from the same forward
+(`run_features`).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -122,22 +124,35 @@ class ModelRunner:
 
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """One model forward over `rows` (padded to the longest); final hidden states [B, T, H]."""
+        return self._forward(rows, None).hidden
+
+    def _forward(self, rows: list[Row], aux_layers: tuple[int, ...] | None) -> Any:
         new = [len(r.token_ids) for r in rows]
         t = max(new)
         view = self.pool.view([self.blocks.tables[r.seq_id] for r in rows], [r.start for r in rows], new,
                               sliding_window=self.sliding_window, trees=[r.parents for r in rows])
         input_ids = torch.tensor([r.token_ids + [0] * (t - len(r.token_ids)) for r in rows], device=self.device)
+        taps = {} if aux_layers is None else {"aux_layers": aux_layers}  # only asked of models that have them
         with self._kernels():
-            return self.model(input_ids, view.positions, view, return_hidden=True, compute_logits=False).hidden
+            return self.model(input_ids, view.positions, view, return_hidden=True, compute_logits=False, **taps)
 
     def run(self, rows: list[Row]) -> list[torch.Tensor]:
         """Final hidden states of every row's tokens ([len(token_ids), H] each), grouping rows of
         similar length into one forward."""
-        out: list[torch.Tensor | None] = [None] * len(rows)
+        return [h for h, _ in self.run_features(rows)]
+
+    def run_features(self, rows: list[Row], aux_layers: tuple[int, ...] | None = None
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's final hidden states and its drafter features from the same forward: the
+        states entering `aux_layers`, concatenated ([len(token_ids), len(aux_layers) * H]), or the
+        final states again without aux_layers."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(rows)
         for group in group_rows(rows):
-            hidden = self.forward([rows[i] for i in group])
+            got = self._forward([rows[i] for i in group], aux_layers)
+            feats = got.hidden if aux_layers is None else got.aux
             for j, i in enumerate(group):
-                out[i] = hidden[j, : len(rows[i].token_ids)]
+                n = len(rows[i].token_ids)
+                out[i] = (got.hidden[j, :n], feats[j, :n])
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Decoder for the Llama family: Llama (with llama3 RoPE scaling), Mistral, Qwen2 and Qwen3.
 
 Parameter names equal transformers' so HF checkpoints load without a key map. Inference state is
-passed in (see cache.py); the forward can return the final hidden states and compute logits only
-at chosen positions.
+passed in (see cache.py); the forward can return the final hidden states, the residual stream
+entering chosen layers (an EAGLE-3 drafter's features), and compute logits only at chosen positions.
 """
 
 from __future__ import annotations
@@ -312,6 +312,7 @@ class Backbone(nn.Module):
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor | None  # [B, T or K, V], float32
     hidden: torch.Tensor | None  # [B, T, H]: final-norm hidden states (the lm_head's input)
+    aux: torch.Tensor | None = None  # [B, T, len(aux_layers) * H]: the states entering aux_layers
 
 
 class LlamaForCausalLM(nn.Module):
@@ -335,12 +336,15 @@ class LlamaForCausalLM(nn.Module):
         logit_positions: torch.Tensor | None = None,
         return_hidden: bool = False,
         compute_logits: bool = True,
+        aux_layers: tuple[int, ...] | None = None,
     ) -> ForwardOutput:
         """Run the decoder over `input_ids` [B, T].
 
         positions: [B, T] absolute positions (default 0..T-1). cache: see cache.py, built with
         this config's sliding_window; without one attention is causal over the T tokens. logit_positions: [B, K] indices into T at which to
         compute logits (default all). return_hidden: also return the final hidden states.
+        aux_layers: also return the residual stream entering each of these layers (0: the
+        embeddings; vLLM's EAGLE-3 numbering), concatenated in this order.
         """
         b, t = input_ids.shape
         window = self.config.sliding_window
@@ -355,7 +359,10 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         x = self.model.embed_tokens(input_ids)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.model.layers:
+        taps = {} if aux_layers is None else check_aux_layers(aux_layers, len(self.model.layers))
+        for i, layer in enumerate(self.model.layers):
+            if i in taps:
+                taps[i] = x
             x = layer(x, cos, sin, cache)
         hidden = self.model.norm(x)
         logits = None
@@ -365,4 +372,14 @@ class LlamaForCausalLM(nn.Module):
                 idx = logit_positions[..., None].expand(-1, -1, h.shape[-1])
                 h = torch.gather(h, 1, idx)
             logits = self.lm_head(h).float()
-        return ForwardOutput(logits, hidden if return_hidden else None)
+        aux = None if aux_layers is None else torch.cat([taps[i] for i in aux_layers], dim=-1)
+        return ForwardOutput(logits, hidden if return_hidden else None, aux)
+
+
+def check_aux_layers(aux_layers: tuple[int, ...], num_layers: int) -> dict[int, None]:
+    """The distinct layer ids of `aux_layers` (keys of a dict to fill), refusing ids out of range."""
+    bad = [i for i in aux_layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad or not aux_layers:
+        raise ValueError(f"aux_layers={list(aux_layers)}: each must be a layer id in 0..{num_layers - 1} "
+                         "(the state entering that layer; 0 is the embeddings), at least one")
+    return dict.fromkeys(aux_layers)

@@ -62,6 +62,7 @@ from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
 
 CE_VOCABS = ("full", "buffer")
+DRAFTER_TYPES = ("eagle", "eagle3")  # EAGLE-1/2 (this module) and EAGLE-3 (eagle3_trainer.py)
 
 
 # ---- samples and the buffer --------------------------------------------------------------------
@@ -312,12 +313,15 @@ def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: Drafte
                   ce_vocab: torch.Tensor | None = None, unroll_steps: int = 1,
                   max_grad_norm: float = 0.5, seed: int = 0, bf16: bool = False,
                   start_step: int = 0,
-                  on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+                  on_step: Callable[[dict[str, Any]], None] | None = None,
+                  loss_fn: Callable[[list[DrafterSample]], tuple[torch.Tensor, dict[str, Any]]] | None = None,
+                  ) -> list[dict[str, Any]]:
     """Run `steps` optimizer steps (numbered from `start_step`) of the drafter on the buffer; the
     target gets no gradient. Pass the same optimizer (and scheduler) across calls to continue
     training; without one, AdamW at `lr`. bf16: the loss's matmuls under bfloat16 autocast (weights
-    and optimizer stay in their dtype; about 2x faster on a CPU with AMX). Returns one record per
-    step (also given to on_step)."""
+    and optimizer stay in their dtype; about 2x faster on a CPU with AMX). loss_fn(batch): another
+    drafter's loss and its parts (EAGLE-3's) in place of `drafter_loss` and its options. Returns
+    one record per step (also given to on_step)."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     if optimizer is None:
@@ -337,9 +341,9 @@ def train_drafter(drafter: EagleDrafter, target: torch.nn.Module, buffer: Drafte
             noise = torch.Generator().manual_seed(_mix(seed, step, 1))
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-                loss, parts = drafter_loss(drafter, target, batch, feature_noise=feature_noise,
-                                           reg_weight=reg_weight, ce_weight=ce_weight, ce_vocab=ce_vocab,
-                                           unroll_steps=unroll_steps, generator=noise)
+                loss, parts = loss_fn(batch) if loss_fn is not None else drafter_loss(
+                    drafter, target, batch, feature_noise=feature_noise, reg_weight=reg_weight, ce_weight=ce_weight,
+                    ce_vocab=ce_vocab, unroll_steps=unroll_steps, generator=noise)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), max_grad_norm)
             lr_now = optimizer.param_groups[0]["lr"]
@@ -366,21 +370,28 @@ def _truncate(cache: DenseCache, n: int) -> None:
 
 @torch.no_grad()
 def greedy_acceptance(drafter: EagleDrafter, target: torch.nn.Module, samples: Iterable[DrafterSample],
-                      num_speculative_tokens: int = 4) -> dict[str, float]:
+                      num_speculative_tokens: int = 4, *,
+                      features: Callable[[DrafterSample], torch.Tensor] = lambda s: s.hidden,
+                      head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                      ) -> dict[str, float]:
     """Replay greedy chain speculation over samples whose responses are the target's greedy
     output: at each verify the drafter proposes k tokens from the true states so far (feeding
     its own predictions after the first), the leading ones equal to the response are accepted,
     plus the target's bonus token. Drafts come from the drafter's draft vocabulary when it has
-    one, as the engine's. Returns verifies, accepted and tau = tokens per verify."""
+    one, as the engine's. `features` (the drafter's input states of a sample) and `head` (draft
+    logits and their target ids from the drafter's states) default to EAGLE-1/2's: the final
+    hidden states and the target's head rows. Returns verifies, accepted and tau = tokens per verify."""
     k = num_speculative_tokens
     embed = target.model.embed_tokens
-    rows, vocab = draft_head(drafter, target)
+    if head is None:
+        rows, row_ids = draft_head(drafter, target)
+        head = lambda g: (F.linear(g, rows), row_ids)  # noqa: E731
     p = next(drafter.parameters())
     was_training = drafter.training
     drafter.eval()
     verifies = accepted = 0
     for s in samples:
-        ids, hidden = s.token_ids.to(p.device), s.hidden.to(p.device, p.dtype)
+        ids, hidden = s.token_ids.to(p.device), features(s).to(p.device, p.dtype)
         t = s.num_tokens
         n = int(s.loss_mask.float().argmax())  # the first response token: sampled at prefill
         cache, fed = DenseCache(drafter.config.sliding_window), 0
@@ -394,7 +405,8 @@ def greedy_acceptance(drafter: EagleDrafter, target: torch.nn.Module, samples: I
             fed = n
             draft, m = [], min(k, t - 1 - n)
             for j in range(m):
-                tok = F.linear(g, rows).argmax()
+                logits, vocab = head(g)
+                tok = logits.argmax()
                 tok = tok if vocab is None else vocab[tok]
                 draft.append(int(tok))
                 if j + 1 < m:
@@ -539,6 +551,7 @@ class DrafterTrainConfig:
     """
 
     output_dir: str = "runs/drafter"
+    drafter_type: str = "eagle"  # eagle (EAGLE-1/2) | eagle3 (its own fields: Eagle3TrainConfig)
     model: str | None = None  # the target's HF directory; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"
     device: str = "cpu"
@@ -584,6 +597,8 @@ class DrafterTrainConfig:
     resume_from_checkpoint: bool = False
 
     def __post_init__(self) -> None:
+        if self.drafter_type not in DRAFTER_TYPES:
+            raise ValueError(f"drafter_type {self.drafter_type!r} is not one of {list(DRAFTER_TYPES)}")
         if self.lr_scheduler_type not in SCHEDULES:
             raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(SCHEDULES)}")
         check_source(self.prompts)
@@ -610,13 +625,13 @@ class DrafterTrainConfig:
 
 
 def save_checkpoint(out: Path, step: int, drafter: EagleDrafter, optimizer, scheduler,
-                    state: dict[str, Any]) -> Path:
-    """checkpoint-{step}/: the drafter in the EAGLE layout, optimizer, scheduler and
-    trainer_state.json, written atomically."""
+                    state: dict[str, Any], save: Callable[[Any, Path], Path] = save_drafter) -> Path:
+    """checkpoint-{step}/: the drafter in its layout (`save`: EAGLE's by default), optimizer,
+    scheduler and trainer_state.json, written atomically."""
     from reclaim.models.loading import atomic_dir
 
     def write(tmp: Path) -> None:
-        save_drafter(drafter, tmp)  # first, while tmp is still empty (save_drafter replaces it)
+        save(drafter, tmp)  # first, while tmp is still empty (saving replaces it)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
@@ -624,10 +639,10 @@ def save_checkpoint(out: Path, step: int, drafter: EagleDrafter, optimizer, sche
     return atomic_dir(out / f"{CHECKPOINT_PREFIX}{step}", write)
 
 
-def _place_final(drafter: EagleDrafter, out: Path) -> None:
+def _place_final(drafter: EagleDrafter, out: Path, save: Callable[[Any, Path], Path] = save_drafter) -> None:
     """The final drafter's config.json and weights in output_dir itself (beside the logs), the
     config last so a directory with one holds complete weights."""
-    staged = save_drafter(drafter, out / ".final-drafter")
+    staged = save(drafter, out / ".final-drafter")
     for name in sorted(os.listdir(staged), key=lambda n: n == "config.json"):
         os.replace(staged / name, out / name)
     shutil.rmtree(staged, ignore_errors=True)
@@ -649,13 +664,13 @@ def _answer(engine: Any, recorder: HiddenRecorder, prompts: Sequence[list[int]],
 
 
 def _rollouts(cfg: DrafterTrainConfig, target: torch.nn.Module, tokenizer: Any, out: Path,
-              log: Callable[[str], None]) -> tuple[list[DrafterSample], list[DrafterSample]]:
+              log: Callable[[str], None], train: bool = True) -> tuple[list[DrafterSample], list[DrafterSample]]:
     """Samples of the target answering the training prompts (at cfg.temperature, by the target
-    cast to cfg.rollout_dtype if set) and the held-out ones (greedy, by the target itself, for
-    the acceptance replay), hidden states recorded as the engine runs. The training prompts are
-    answered in parts of cfg.rollout_chunk, each saved to output_dir/rollouts/ as it completes:
-    a run started again with resume_from_checkpoint reads the parts back and answers only what
-    is missing."""
+    cast to cfg.rollout_dtype if set; none without `train`) and the held-out ones (greedy, by the
+    target itself, for the acceptance replay), hidden states recorded as the engine runs. The
+    training prompts are answered in parts of cfg.rollout_chunk, each saved to
+    output_dir/rollouts/ as it completes: a run started again with resume_from_checkpoint reads
+    the parts back and answers only what is missing."""
     from reclaim.data.tasks import make_prompts
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
@@ -689,7 +704,7 @@ def _rollouts(cfg: DrafterTrainConfig, target: torch.nn.Module, tokenizer: Any, 
     engine, recorder = None, None
     train_s: list[DrafterSample] = []
     t0, tokens = time.perf_counter(), 0
-    for k, start in enumerate(range(0, cfg.num_prompts, cfg.rollout_chunk)):
+    for k, start in enumerate(range(0, cfg.num_prompts if train else 0, cfg.rollout_chunk)):
         stop = min(start + cfg.rollout_chunk, cfg.num_prompts)
         path = parts / f"part-{k:05d}.pt"
         if path.exists():
@@ -719,15 +734,10 @@ def _rollouts(cfg: DrafterTrainConfig, target: torch.nn.Module, tokenizer: Any, 
     return train_s, eval_s
 
 
-def train(cfg: DrafterTrainConfig, *, progress: bool = True,
-          log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run `reclaim drafter train` per cfg; returns a summary (steps, last record, held-out tau,
-    seconds). The final drafter is in cfg.output_dir (config.json + model.safetensors)."""
-    from tqdm import tqdm
-
+def _start(cfg: DrafterTrainConfig) -> tuple[Path, torch.nn.Module, Any]:
+    """output_dir made, the frozen target and its tokenizer loaded; a resume with nothing saved refused."""
     from reclaim.models.loading import load_model
 
-    t_start = time.perf_counter()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -736,9 +746,18 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
     if cfg.resume_from_checkpoint and not (checkpoints(out) or (out / "rollouts").exists()):
         raise ValueError(f"resume_from_checkpoint is set but {str(out)!r} has neither a "
                          f"{CHECKPOINT_PREFIX}* directory nor saved rollouts")
-    train_samples, held_out = _rollouts(cfg, target, tokenizer, out, log)
-    buffer = DrafterBuffer(cfg.buffer_tokens)
-    buffer.add(train_samples)
+    return out, target, tokenizer
+
+
+def fit(cfg: DrafterTrainConfig, out: Path, *, new: Callable[[], Any], load: Callable[[Path], Any],
+        save: Callable[[Any, Path], Path], run: Callable[..., Any], keys: Sequence[str],
+        progress: bool = True) -> tuple[Any, list[dict[str, Any]], float]:
+    """cfg.max_steps optimizer steps of a drafter made by `new()`, or resumed from output_dir's last
+    checkpoint (`load`): AdamW, cfg's schedule, a progress bar, log.jsonl (means of `keys` every
+    logging_steps) and checkpoint-{step}/ (`save`) every save_steps. run(drafter, optimizer,
+    scheduler, start_step, on_step) runs the steps. Returns the drafter, the log history and the
+    training seconds."""
+    from tqdm import tqdm
 
     step, history = 0, []
     log_path = out / "log.jsonl"
@@ -747,11 +766,11 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
     if last is not None:
         state = json.loads((last / "trainer_state.json").read_text())
         step, history = state["global_step"], state["log_history"]
-        drafter = load_drafter(last, target)
+        drafter = load(last)
         trim_log(log_path, step)
     else:
         torch.manual_seed(cfg.seed)
-        drafter = new_drafter(target)
+        drafter = new()
         if log_path.exists():
             log_path.unlink()  # a fresh run starts a fresh log
     opt = make_optimizer(drafter, cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -773,7 +792,6 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
         bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['accuracy']:.2f}")
         s = rec["step"]
         if s % cfg.logging_steps == 0 or s == cfg.max_steps:
-            keys = ("loss", "reg_loss", "ce_loss", "accuracy", "grad_norm", "step_s")
             avg = {k: sum(r[k] for r in window) / len(window) for k in keys}
             entry = {"step": s, **avg, "learning_rate": rec["learning_rate"],
                      "tokens": sum(r["tokens"] for r in window)}
@@ -784,21 +802,42 @@ def train(cfg: DrafterTrainConfig, *, progress: bool = True,
         if (cfg.save_steps and s % cfg.save_steps == 0) or s == cfg.max_steps:
             state = {"global_step": s, "max_steps": cfg.max_steps, "log_history": history,
                      "config": config_dict}
-            save_checkpoint(out, s, drafter, opt, sched, state)
+            save_checkpoint(out, s, drafter, opt, sched, state, save)
             if cfg.save_total_limit:
                 for old in checkpoints(out)[:-cfg.save_total_limit]:
                     shutil.rmtree(old, ignore_errors=True)
 
     t_train = time.perf_counter()
-    train_drafter(drafter, target, buffer, steps=cfg.max_steps - step, optimizer=opt, scheduler=sched,
-                  batch_size=cfg.per_device_train_batch_size, batch_tokens=cfg.max_batch_tokens,
-                  feature_noise=cfg.feature_noise, reg_weight=cfg.reg_loss_weight,
-                  ce_weight=cfg.ce_loss_weight, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
-                  ce_vocab=buffer.vocab() if cfg.ce_vocab == "buffer" else None,
-                  unroll_steps=cfg.unroll_steps, bf16=cfg.bf16,
-                  start_step=step, on_step=on_step)
+    run(drafter, opt, sched, step, on_step)
     bar.close()
-    train_s = time.perf_counter() - t_train
+    return drafter, history, time.perf_counter() - t_train
+
+
+def train(cfg: DrafterTrainConfig, *, progress: bool = True,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run `reclaim drafter train` per cfg; returns a summary (steps, last record, held-out tau,
+    seconds). The final drafter is in cfg.output_dir (config.json + model.safetensors)."""
+    if cfg.drafter_type != "eagle":
+        raise ValueError(f"drafter_type {cfg.drafter_type!r} trains with reclaim.rl.eagle3_trainer.train_eagle3; "
+                         "this trains 'eagle' (EAGLE-1/2)")
+    t_start = time.perf_counter()
+    out, target, tokenizer = _start(cfg)
+    train_samples, held_out = _rollouts(cfg, target, tokenizer, out, log)
+    buffer = DrafterBuffer(cfg.buffer_tokens)
+    buffer.add(train_samples)
+
+    def run(drafter, opt, sched, step, on_step):
+        train_drafter(drafter, target, buffer, steps=cfg.max_steps - step, optimizer=opt, scheduler=sched,
+                      batch_size=cfg.per_device_train_batch_size, batch_tokens=cfg.max_batch_tokens,
+                      feature_noise=cfg.feature_noise, reg_weight=cfg.reg_loss_weight,
+                      ce_weight=cfg.ce_loss_weight, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
+                      ce_vocab=buffer.vocab() if cfg.ce_vocab == "buffer" else None,
+                      unroll_steps=cfg.unroll_steps, bf16=cfg.bf16,
+                      start_step=step, on_step=on_step)
+
+    drafter, history, train_s = fit(cfg, out, new=lambda: new_drafter(target), load=lambda p: load_drafter(p, target),
+                                    save=save_drafter, run=run, progress=progress,
+                                    keys=("loss", "reg_loss", "ce_loss", "accuracy", "grad_norm", "step_s"))
     _place_final(drafter, out)
     summary: dict[str, Any] = {"steps": cfg.max_steps, "train_s": train_s,
                                "last": history[-1] if history else None,

@@ -252,7 +252,7 @@ def test_the_replayed_tau_is_what_the_engine_gets(target, tmp_path, one_thread, 
     assert replay["tau"] == pytest.approx(tau, rel=0.02)
 
 
-def induction_target(steps: int = 400, vocab: int = 32, seed: int = 0):
+def induction_target(steps: int = 400, vocab: int = 32, seed: int = 0, layers: int = 2):
     """A fixed, predictable target: a tiny Llama trained to continue a repeated random pattern
     (it learns induction: copy what followed the last occurrence). Held-out prompts are fresh
     patterns, so a drafter has to learn the copying, not memorise sequences."""
@@ -260,7 +260,7 @@ def induction_target(steps: int = 400, vocab: int = 32, seed: int = 0):
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=512, eos_token_id=None))
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
