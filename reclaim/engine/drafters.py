@@ -2,7 +2,8 @@
 
 `HybridDrafter` asks the history drafter (suffix) for its draft and the EAGLE drafter for a
 chain (or tree) of its most likely tokens, and merges them into one tree per sequence: shared
-prefixes once, the history draft's branches first. Every token is deterministic (EAGLE's are its
+prefixes once, the history draft's branches first. The model drafter is EAGLE-1/2 or
+EAGLE-3 (whichever layout the directory holds). Every token is deterministic (EAGLE's are its
 argmax choices), so the tree path's recursive rejection keeps the output exactly the target's.
 Where the history draft is confident on its own, EAGLE is not run for that sequence (its state
 catches up at its next draft). `mode` picks per step which of the two draft: "suffix",
@@ -51,6 +52,7 @@ class HybridDrafter:
 
     def __init__(self, history: SuffixDrafter, model: Any, *, model_tokens: int, confident: float = 0.7) -> None:
         self.history, self.model, self.model_tokens, self.confident = history, model, model_tokens, confident
+        self.aux_layers = getattr(model, "aux_layers", None)  # EAGLE-3 observes these layers' input states
         self.mode = "hybrid"
         self.stats = {"model_skipped": 0, "model_drafts": 0}
 
@@ -111,11 +113,22 @@ def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) 
         return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "suffix":
         return history_drafter(cfg)
+    if cfg.method in ("eagle", "eagle3"):
+        return model_proposer(cfg.model, target, cfg.method, topk=cfg.eagle_topk, depth=cfg.num_speculative_tokens,
+                              total=cfg.lookahead)
+    from reclaim.models.drafter import drafter_layout
+
+    model = model_proposer(cfg.model, target, drafter_layout(cfg.model), topk=cfg.eagle_topk,
+                           depth=cfg.hybrid_eagle_tokens, total=cfg.hybrid_eagle_tokens * cfg.eagle_topk)
+    return HybridDrafter(history_drafter(cfg), model, model_tokens=cfg.hybrid_eagle_tokens)
+
+
+def model_proposer(path: str, target: torch.nn.Module, layout: str, **tree: int) -> Any:
+    """The engine's EAGLE (layout 'eagle') or EAGLE-3 ('eagle3') proposer for the drafter at `path`."""
+    if layout == "eagle3":
+        from reclaim.engine.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer.load(path, target, **tree)
     from reclaim.engine.eagle import EagleProposer
 
-    if cfg.method == "eagle":
-        return EagleProposer.load(cfg.model, target, topk=cfg.eagle_topk, depth=cfg.num_speculative_tokens,
-                                  total=cfg.lookahead)
-    model = EagleProposer.load(cfg.model, target, topk=cfg.eagle_topk, depth=cfg.hybrid_eagle_tokens,
-                               total=cfg.hybrid_eagle_tokens * cfg.eagle_topk)
-    return HybridDrafter(history_drafter(cfg), model, model_tokens=cfg.hybrid_eagle_tokens)
+    return EagleProposer.load(path, target, **tree)

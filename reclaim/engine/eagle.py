@@ -88,6 +88,9 @@ class EagleProposer:
             return
         st.feats.extend(hidden.detach())
 
+    def finish(self, seq_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        pass  # drafts come from hidden states, not from finished text
+
     def release(self, seq_id: str) -> None:
         self._states.pop(seq_id, None)
 

@@ -351,9 +351,7 @@ class Engine:
         if self.depths is not None:
             self.depths.release(req.seq.request_id)
         if self.drafter is not None:
-            finish = getattr(self.drafter, "finish", None)
-            if finish is not None:
-                finish(req.seq.request_id, req.seq.token_ids, req.seq.num_prompt_tokens)
+            self.drafter.finish(req.seq.request_id, req.seq.token_ids, req.seq.num_prompt_tokens)
             self.drafter.release(req.seq.request_id)
 
     def _fail(self, req: RequestState, exc: Exception) -> RequestOutput:
@@ -383,20 +381,23 @@ class Engine:
         with torch.inference_mode():
             run = [i for i, c in enumerate(chunks) if c.request_id not in recorded]
             hidden: list[torch.Tensor] = [None] * len(chunks)
-            for i, h in zip(run, self.runner.run([rows[i] for i in run]) if run else []):
-                hidden[i] = h
+            feats: list[torch.Tensor | None] = [None] * len(chunks)  # what the drafter observes
+            aux = getattr(self.drafter, "aux_layers", None)  # EAGLE-3: the states entering these layers
+            for i, (h, f) in zip(run, self.runner.run_features([rows[i] for i in run], aux) if run else []):
+                hidden[i], feats[i] = h, f
             for i, c in enumerate(chunks):
-                if c.request_id in recorded:
+                if c.request_id in recorded:  # a recorded prefill has no aux states: EAGLE-3 does not draft it
                     hidden[i] = recorded[c.request_id]
+                    feats[i] = hidden[i] if aux is None else None
             if self.on_forward is not None:
                 self.on_forward([
                     ForwardRecord(c.request_id, c.start, r.token_ids[: c.num_tokens], h[: c.num_tokens],
                                   list(self.blocks.tables[c.request_id]), c.is_prefill, self.weights_version)
                     for c, r, h in zip(chunks, rows, hidden)
                 ])
-            for c, r, h in zip(chunks, rows, hidden):
-                if not c.sample and self.drafter is not None and c.request_id not in self._partial:
-                    self.drafter.observe(c.request_id, c.start, r.token_ids, h)
+            for c, r, f in zip(chunks, rows, feats):
+                if not c.sample and self.drafter is not None and c.request_id not in self._partial and f is not None:
+                    self.drafter.observe(c.request_id, c.start, r.token_ids, f)
             for c, h in zip(chunks, hidden):
                 if c.is_prefill and self._requests[c.request_id].seq.params.prompt_logprobs is not None:
                     self._prompt_logprobs(self._requests[c.request_id], c, h)
@@ -424,11 +425,11 @@ class Engine:
                     chosen[j] = t if isinstance(t, Exception) else [t]
             for j, i in enumerate(sampling):
                 if chunks[i].request_id in drafts:
-                    chosen[j] = self._verify(chunks[i], reqs[j], per_row[j], drafts[chunks[i].request_id], hidden[i])
+                    chosen[j] = self._verify(chunks[i], reqs[j], per_row[j], drafts[chunks[i].request_id], feats[i])
                 elif self.drafter is not None and not isinstance(chosen[j], Exception) \
-                        and chunks[i].request_id not in self._partial:
+                        and chunks[i].request_id not in self._partial and feats[i] is not None:
                     c = chunks[i]
-                    self.drafter.observe(c.request_id, c.start, rows[i].token_ids, hidden[i])
+                    self.drafter.observe(c.request_id, c.start, rows[i].token_ids, feats[i])
             out = []
             for j, req in enumerate(reqs):
                 lps = None
@@ -551,7 +552,8 @@ class Engine:
 
     def _verify(self, chunk: ScheduledChunk, req: RequestState, logits: torch.Tensor, draft: Draft,
                 hidden: torch.Tensor) -> list[int] | Exception:
-        """Accept a prefix of the draft (lossless rule); roll the cache back over the rest."""
+        """Accept a prefix of the draft (lossless rule); roll the cache back over the rest. `hidden`:
+        the row's drafter features (final states, or EAGLE-3's aux states), observed where kept."""
         try:
             keyed = req.seq.params.seed is not None and not req.seq.params.greedy
             position = req.seq.num_tokens  # of the first token this verification chooses

@@ -29,8 +29,8 @@ import torch
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.sampling import keyed_uniform, probs, sanitize
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "eagle", "hybrid")
-MODEL_METHODS = ("eagle", "hybrid")  # the methods that need a drafter directory
+SPECULATIVE_METHODS = ("ngram", "suffix", "eagle", "eagle3", "hybrid")
+MODEL_METHODS = ("eagle", "eagle3", "hybrid")  # the methods that need a drafter directory
 
 
 @dataclass
@@ -68,7 +68,7 @@ class SpeculativeConfig:
     @property
     def tree(self) -> bool:
         """Drafts are trees (verified through the tree path) rather than chains."""
-        return self.method == "hybrid" or (self.eagle_topk > 1 if self.method == "eagle" else self.suffix_topk > 1)
+        return self.method == "hybrid" or (self.eagle_topk > 1 if self.method in ("eagle", "eagle3") else self.suffix_topk > 1)
 
     @property
     def lookahead(self) -> int:
@@ -77,7 +77,7 @@ class SpeculativeConfig:
             return self.num_speculative_tokens
         if self.method == "hybrid":
             return self.num_draft_tokens or self.num_speculative_tokens + self.hybrid_eagle_tokens
-        branches = self.eagle_topk if self.method == "eagle" else self.suffix_topk
+        branches = self.eagle_topk if self.method in ("eagle", "eagle3") else self.suffix_topk
         return self.num_draft_tokens or self.num_speculative_tokens * branches
 
     @property
@@ -126,7 +126,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} needs a drafter directory (model=PATH)")
 
 
-SPEC_FORMS = "none, ngram, suffix, eagle:PATH, hybrid:PATH (suffix+eagle:PATH), where PATH is an EAGLE drafter directory"
+SPEC_FORMS = ("none, ngram, suffix, eagle:PATH (an EAGLE-1/2 drafter directory), eagle3:PATH (an EAGLE-3 one), "
+              "hybrid:PATH or suffix+eagle:PATH (suffix and either EAGLE drafter)")
 
 
 def parse_speculative(spec: str | None, **fields: int | float | None) -> SpeculativeConfig | None:

@@ -32,6 +32,8 @@ from reclaim.models.kernels.linear import Linear
 from reclaim.models.llama import DecoderLayer, LlamaConfig, rope_inv_freq
 
 WEIGHTS_NAME = "model.safetensors"
+# EAGLE-3's architectures names (vLLM's EAGLEConfig and registry take both; models/eagle3.py).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 class EagleDrafter(nn.Module):
@@ -114,12 +116,31 @@ def save_drafter(drafter: EagleDrafter, path: str | os.PathLike) -> Path:
     return atomic_dir(Path(path), write)
 
 
+def drafter_layout(path: str | os.PathLike) -> str:
+    """"eagle3" for a directory in the EAGLE-3 layout (its architectures, or midlayer.* weights),
+    else "eagle" (EAGLE-1/2: fc over 2H and layers.0.*)."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"drafter directory {str(path)!r} needs config.json and {WEIGHTS_NAME}; "
+                                "train one with `reclaim drafter train`")
+    arch = json.loads((path / "config.json").read_text()).get("architectures") or []
+    if any(a in EAGLE3_ARCHITECTURES for a in arch):
+        return "eagle3"
+    from safetensors import safe_open
+
+    with safe_open(str(path / WEIGHTS_NAME), "pt") as f:
+        return "eagle3" if any(k.startswith("midlayer.") for k in f.keys()) else "eagle"
+
+
 def load_drafter(path: str | os.PathLike, target: nn.Module) -> EagleDrafter:
     """An EAGLE-layout drafter for `target` from `path`, in the target's dtype and device."""
     path = Path(path).expanduser()
     if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"drafter directory {str(path)!r} needs config.json and {WEIGHTS_NAME} "
                                 "(the EAGLE layout); train one with `reclaim drafter train`")
+    if drafter_layout(path) == "eagle3":
+        raise ValueError(f"drafter {str(path)!r} is an EAGLE-3 drafter ({EAGLE3_ARCHITECTURES[0]}, midlayer.*); "
+                         "use eagle3:PATH (or hybrid:PATH) for it, eagle:PATH takes the EAGLE-1/2 layout")
     raw = json.loads((path / "config.json").read_text())
     raw.pop("draft_vocab_size", None)
     cfg = LlamaConfig.from_hf(raw)

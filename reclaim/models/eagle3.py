@@ -32,14 +32,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from reclaim.models.cache import AttentionCache
-from reclaim.models.drafter import WEIGHTS_NAME, check_draft_ids
+from reclaim.models.drafter import EAGLE3_ARCHITECTURES, WEIGHTS_NAME, check_draft_ids, drafter_layout
 from reclaim.models.kernels.linear import Linear
 from reclaim.models.llama import MLP, Attention, LlamaConfig, check_aux_layers, rope_inv_freq
 from reclaim.models.norm import RMSNorm
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-# Names vLLM's EAGLEConfig and registry also take for the same model.
-EAGLE3_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
+ARCHITECTURE = EAGLE3_ARCHITECTURES[0]
 # config.json keys of the EAGLE-3 layout beside the one-layer Llama config.
 LAYOUT_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "eagle_config")
 NUM_AUX = 3  # vLLM's and SGLang's fc takes 3 * target_hidden_size
@@ -167,22 +165,6 @@ def save_eagle3(drafter: Eagle3Drafter, path: str | os.PathLike) -> Path:
         save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
 
     return atomic_dir(Path(path), write)
-
-
-def drafter_layout(path: str | os.PathLike) -> str:
-    """"eagle3" for a directory in the EAGLE-3 layout (its architectures, or midlayer.* weights),
-    else "eagle" (EAGLE-1/2: fc over 2H and layers.0.*)."""
-    path = Path(path).expanduser()
-    if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
-        raise FileNotFoundError(f"drafter directory {str(path)!r} needs config.json and {WEIGHTS_NAME}; "
-                                "train one with `reclaim drafter train`")
-    arch = json.loads((path / "config.json").read_text()).get("architectures") or []
-    if any(a in EAGLE3_ARCHITECTURES for a in arch):
-        return "eagle3"
-    from safetensors import safe_open
-
-    with safe_open(str(path / WEIGHTS_NAME), "pt") as f:
-        return "eagle3" if any(k.startswith("midlayer.") for k in f.keys()) else "eagle"
 
 
 def load_eagle3(path: str | os.PathLike, target: nn.Module) -> Eagle3Drafter:

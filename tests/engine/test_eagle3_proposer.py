@@ -16,7 +16,7 @@ from reclaim.engine.eagle3 import Eagle3Proposer
 from reclaim.engine.kv_cache import BlockManager
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
-from reclaim.engine.speculative import SPECULATIVE_METHODS, Draft, DraftRequest, accept, accept_tree, parse_speculative
+from reclaim.engine.speculative import Draft, DraftRequest, accept, accept_tree, parse_speculative
 from reclaim.models.eagle3 import new_eagle3, save_eagle3
 from reclaim.rl.drafter_trainer import DrafterBuffer, collect, train_drafter
 from reclaim.rl.eagle3_trainer import eagle3_acceptance, eagle3_loss, with_aux
@@ -162,11 +162,11 @@ def test_sampled_drafts_carry_q_over_the_whole_vocabulary(trained):
     torch.testing.assert_close(d.q.sum(-1), torch.ones(3, dtype=d.q.dtype))
 
 
-@pytest.mark.skipif("eagle3" not in SPECULATIVE_METHODS,
-                    reason="the engine does not hand a drafter its aux_layers' states yet (engine.py, speculative.py)")
-@pytest.mark.parametrize("topk", [1, 3])
-def test_the_engine_speculating_with_eagle3_equals_plain(trained, tmp_path, topk):
-    """`--speculative eagle3:PATH` end to end, once engine.py asks the runner for aux_layers."""
+@pytest.mark.parametrize("method,topk", [("eagle3", 1), ("eagle3", 3), ("hybrid", 1)])
+def test_the_engine_speculating_with_eagle3_equals_plain(trained, tmp_path, method, topk):
+    """`--speculative eagle3:PATH` end to end (and hybrid:PATH with an EAGLE-3 directory: the
+    history drafter's tree merged with EAGLE-3's chain)."""
+    from reclaim.engine.drafters import HybridDrafter
     from reclaim.engine.engine import Engine
 
     target, drafter = trained
@@ -174,9 +174,10 @@ def test_the_engine_speculating_with_eagle3_equals_plain(trained, tmp_path, topk
     ps = prompts(12, seed=9) + prompts(4, seed=1)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in Engine(target, num_blocks=128, block_size=4).generate(ps, params)]
-    spec = parse_speculative(f"eagle3:{path}", num_speculative_tokens=3, max_batch=64, eagle_topk=topk,
-                             num_draft_tokens=6 if topk > 1 else None, dynamic_depth=False)
+    spec = parse_speculative(f"{method}:{path}", num_speculative_tokens=3, max_batch=64, eagle_topk=topk,
+                             num_draft_tokens=6 if topk > 1 or method == "hybrid" else None, dynamic_depth=False)
     eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=4, speculative=spec)
-    assert isinstance(eng.drafter, Eagle3Proposer)
+    proposer = eng.drafter.model if method == "hybrid" else eng.drafter
+    assert isinstance(proposer, Eagle3Proposer) and isinstance(eng.drafter, (HybridDrafter, Eagle3Proposer))
     assert [o.token_ids for o in eng.generate(ps, params)] == want
     assert eng.stats()["spec_accepted"] > 0

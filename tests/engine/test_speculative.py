@@ -196,6 +196,9 @@ class _AlwaysDraft:
     def observe(self, *a):
         pass
 
+    def finish(self, *a):
+        pass
+
     def release(self, *a):
         pass
 

@@ -45,7 +45,8 @@ def test_speculative_output_equals_plain(tiny_dir, drafter_dir, command, spec):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("medusa", "'medusa' is unknown; allowed: none, ngram, suffix, eagle:PATH, hybrid:PATH"),
+    ("medusa", "'medusa' is unknown; allowed: none, ngram, suffix, eagle:PATH (an EAGLE-1/2 drafter directory), "
+               "eagle3:PATH (an EAGLE-3 one), hybrid:PATH"),
     ("eagle:/no/such/drafter", "/no/such/drafter"),
     ("hybrid:/no/such/drafter", "/no/such/drafter"),
     ("suffix:/a/path", "'suffix:/a/path' is unknown; allowed: none, ngram, suffix,"),
@@ -72,3 +73,16 @@ def test_spec_fixed_depth_turns_dynamic_depth_off():
 
     assert _speculative("ngram", None).dynamic_depth is True
     assert _speculative("ngram", None, fixed_depth=True).dynamic_depth is False
+
+
+def test_a_drafter_in_the_other_eagle_layout_is_refused_by_name(tiny_dir, drafter_dir, tmp_path):
+    """An EAGLE-1/2 directory given as eagle3:PATH and an EAGLE-3 one as eagle:PATH: errors that
+    say which layout it is and the form to use."""
+    from reclaim.models.eagle3 import new_eagle3, save_eagle3
+
+    target, _ = load_model(tiny_dir)
+    e3 = save_eagle3(new_eagle3(target), tmp_path / "e3")
+    for spec, message in ((f"eagle3:{drafter_dir}", "is an EAGLE-1/2 drafter"), (f"eagle:{e3}", "is an EAGLE-3 drafter")):
+        res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--speculative", spec])
+        text = re.sub(r"\s+", " ", res.output)
+        assert res.exit_code == 1 and message in text, text
