@@ -564,16 +564,20 @@ def bench_spec(
     tree_tokens: int = typer.Option(8, help="eagle-tree: tokens verified per step."),
     spec_max_batch: int = typer.Option(4, help="Speculation turns off above this many running sequences."),
     repeats: int = typer.Option(2, help="Interleaved runs of each method per point (median tokens/s)."),
+    eagle3: str = typer.Option(None, "--eagle3", help="An EAGLE-3 drafter directory: its chain runs beside the others."),
+    methods: str = typer.Option(None, help="Comma-separated methods to run (default all): ngram, suffix, hybrid, "
+                                "eagle-chain, eagle-chain-fixed, eagle-tree, eagle3-chain; plain always runs."),
     threads: int = typer.Option(1, help="torch threads."),
     out_dir: str = typer.Option("benchmarks", help="Where spec.json and spec.png go."),
 ) -> None:
-    """Speculative decoding (ngram, EAGLE chain and tree) vs plain decoding and transformers."""
+    """Speculative decoding (ngram, suffix, EAGLE chain and tree, hybrid, EAGLE-3) vs plain decoding and transformers."""
     from reclaim.bench.spec import SpecBenchSpec, main
 
     spec = SpecBenchSpec(model=model, drafter=drafter, batch_sizes=[int(b) for b in batch_sizes.split(",")],
                          temperatures=[float(t) for t in temperatures.split(",")], num_prompts=num_prompts,
                          tasks=tasks, max_tokens=max_tokens, depth=depth, tree_topk=tree_topk, tree_tokens=tree_tokens,
-                         spec_max_batch=spec_max_batch, repeats=repeats, threads=threads, out_dir=out_dir)
+                         spec_max_batch=spec_max_batch, repeats=repeats, threads=threads, out_dir=out_dir,
+                         eagle3=eagle3, methods=methods.split(",") if methods else None)
     main(spec)
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
 
@@ -587,13 +591,15 @@ def bench_rl(
     steps: int = typer.Option(3, help="RL steps per arm."),
     prompts_per_step: int = typer.Option(1, help="Prompts per RL step (gradient_accumulation_steps)."),
     num_generations: int = typer.Option(8, help="Completions per prompt."),
-    max_completion_length: int = typer.Option(128, help="Most tokens per completion."),
+    max_completion_length: int = typer.Option(None, help="Most tokens per completion (default: the config's)."),
+    num_prompts: int = typer.Option(None, help="Dataset size (default: the config's); fewer prompts than steps "
+                                    "brings prompts back, as later epochs do."),
     spec_threshold: int = typer.Option(4, help="Speculate only while at most this many sequences are in flight."),
     static_depth: int = typer.Option(4, help="The static arm's draft depth (EAGLE chain or ngram)."),
     adaptive_depths: str = typer.Option("2,4", help="Comma-separated draft depths the adaptive arm's bandit tries."),
     greedy_prompts: int = typer.Option(4, help="Prompts of the greedy identity check (0: skip)."),
     arms: str = typer.Option(",".join(("plain", "static", "adaptive", "trl")),
-                             help="Comma-separated arms: plain, static, adaptive, trl."),
+                             help="Comma-separated arms: plain, static, adaptive, suffix, hybrid, trl."),
     quick: bool = typer.Option(False, "--quick", help="Smoke sizes: 2 steps of 1 prompt x 4 completions of 12 "
                                "tokens (other size options ignored)."),
     accuracy: str = typer.Option(None, "--accuracy", help="Instead: greedy held-out accuracy of this `reclaim "
@@ -603,7 +609,8 @@ def bench_rl(
     bf16: bool = typer.Option(False, "--bf16", help="Every arm (TRL's too) trains under bfloat16 autocast."),
     out_dir: str = typer.Option("benchmarks", help="Where rl.json and rl.png (or rl-accuracy.json) go."),
 ) -> None:
-    """GRPO steps with plain, static-speculative and adaptive (TLT) rollouts, and TRL's GRPOTrainer."""
+    """GRPO steps with plain, static-speculative, adaptive (TLT), history-drafted (suffix) and hybrid
+    rollouts, and TRL's GRPOTrainer."""
     from reclaim.bench.rl import RLBenchSpec, goal_lines, held_out_accuracy, main, quick_spec
 
     if accuracy is not None:
@@ -619,7 +626,8 @@ def bench_rl(
     try:
         spec = quick_spec(**common) if quick else RLBenchSpec(
             steps=steps, prompts_per_step=prompts_per_step, num_generations=num_generations,
-            max_completion_length=max_completion_length, spec_threshold=spec_threshold, static_depth=static_depth,
+            max_completion_length=max_completion_length, num_prompts=num_prompts, spec_threshold=spec_threshold,
+            static_depth=static_depth,
             adaptive_depths=[int(d) for d in adaptive_depths.split(",")], greedy_prompts=greedy_prompts, **common)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

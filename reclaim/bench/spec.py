@@ -2,7 +2,9 @@
 
 On the same model, prompts (reasoning tasks and chat) and sampling settings, each method runs
 the prompts through the engine with at most `batch` sequences at a time: plain decoding, ngram
-(prompt lookup), an EAGLE chain and an EAGLE tree. Reported per point: output tokens/s, the
+(prompt lookup), the history drafter (suffix: the prompt and the outputs before it in the run, as
+a fresh server's cache holds them), an EAGLE chain and tree, and the hybrid tree (suffix and EAGLE
+merged). Reported per point: output tokens/s, the
 speed-up over plain decoding, the mean accepted length tau (tokens committed per verifying
 forward, the bonus token included, as EAGLE reports it), the drafter's share of the time, and for
 greedy runs whether every output equals plain decoding's. At batch 1, transformers' `generate`
@@ -46,6 +48,8 @@ class SpecBenchSpec:
 
     model: str | None = None
     drafter: str | None = None  # EAGLE drafter directory; None: the default model's (trained once)
+    eagle3: str | None = None  # an EAGLE-3 drafter directory: adds its chain beside the others
+    methods: list[str] | None = None  # which to run beside plain (None: all)
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
     num_prompts: int = 16  # batch 1 runs the first half
@@ -66,15 +70,27 @@ def _methods(spec: SpecBenchSpec, drafter: str) -> dict[str, Any]:
     from reclaim.engine.speculative import SpeculativeConfig
 
     common = {"num_speculative_tokens": spec.depth, "max_batch": spec.spec_max_batch}
-    return {
+    extra = {} if spec.eagle3 is None else {"eagle3-chain": SpeculativeConfig(method="eagle3", model=spec.eagle3, **common)}
+    every = {
         "plain": None,
         "ngram": SpeculativeConfig(method="ngram", prompt_lookup_max=3, **common),
+        # History: the prompt and the outputs before it in this run (a fresh server's cache), drafts
+        # sized by their confidence (up to 16 tokens).
+        "suffix": SpeculativeConfig(method="suffix", max_batch=spec.spec_max_batch),
+        "hybrid": SpeculativeConfig(method="hybrid", model=drafter, max_batch=spec.spec_max_batch),
         "eagle-chain": SpeculativeConfig(method="eagle", model=drafter, **common),
         # The same chain at its full depth every step: what dynamic depth (the default) changes.
         "eagle-chain-fixed": SpeculativeConfig(method="eagle", model=drafter, dynamic_depth=False, **common),
         "eagle-tree": SpeculativeConfig(method="eagle", model=drafter, eagle_topk=spec.tree_topk,
                                         num_draft_tokens=spec.tree_tokens, **common),
+        **extra,
     }
+    if spec.methods is not None:
+        unknown = sorted(set(spec.methods) - set(every))
+        if unknown:
+            raise ValueError(f"methods {unknown} are unknown; allowed: {sorted(set(every) - {'plain'})}")
+        every = {k: v for k, v in every.items() if k == "plain" or k in spec.methods}
+    return every
 
 
 def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batch: int,
@@ -89,15 +105,26 @@ def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batc
     engine.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))
     engine.spec_stats.update({k: 0 for k in engine.spec_stats})
     t = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    final, steps = {}, 0
+    while len(final) < len(ids):
+        steps += 1
+        final.update({o.request_id: o for o in engine.step() if o.finished})
     secs = time.perf_counter() - t
+    outs = [final[i] for i in ids]
     s = engine.spec_stats
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
-            "tau": (s["accepted"] + s["verifies"]) / s["verifies"] if s["verifies"] else None,
-            "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else None,
-            "draft_share": s["draft_seconds"] / secs, "verifies": s["verifies"],
-            "outputs": [o.token_ids for o in outs]}
+    out = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+           "tau": (s["accepted"] + s["verifies"]) / s["verifies"] if s["verifies"] else None,
+           "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else None,
+           "draft_share": s["draft_seconds"] / secs, "verifies": s["verifies"], "steps": steps,
+           # one call of the drafter against the mean step it drafts for
+           "draft_seconds_per_call": s["draft_seconds"] / s["draft_calls"] if s["draft_calls"] else None,
+           "step_seconds": secs / steps, "outputs": [o.token_ids for o in outs]}
+    memory = getattr(engine.drafter, "memory", None)
+    if memory is not None:  # the history drafter's size after the run
+        out["history"] = memory()
+    return out
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -99,6 +99,9 @@ class HybridDrafter:
     def next_round(self) -> None:
         self.history.next_round()
 
+    def memory(self) -> dict[str, float]:
+        return self.history.memory()
+
 
 def history_drafter(cfg: SpeculativeConfig) -> SuffixDrafter:
     return SuffixDrafter(cache_tokens=cfg.suffix_cache_tokens, max_depth=cfg.suffix_max_tree_depth,

@@ -129,7 +129,8 @@ class Engine:
         self.kv_on_weight_update = kv_on_weight_update
         self.speculative = speculative
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
-        self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "plain_decodes": 0}
+        self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "draft_calls": 0,
+                           "plain_decodes": 0}
         self.step_costs = StepCosts()  # decode steps' seconds by batch and draft tokens
         self._gates: dict[tuple[str, ...], SpecGate] = {}
         self.spec_gate = self._gate(speculative)  # which arm pays, per batch size (dynamic depth)
@@ -544,6 +545,7 @@ class Engine:
         if not asks:
             return {}
         drafts = {}
+        self.spec_stats["draft_calls"] += 1
         for ask, d in zip(asks, self.drafter.propose(asks)):
             if d.tokens:
                 drafts[ask.seq_id] = d.truncate(ask.max_tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import sys
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,21 +48,28 @@ class DraftTree:
 
 
 class SuffixIndex:
-    """Substrings of up to `max_depth` tokens of a set of streams, with counts and suffix links."""
+    """Substrings of up to `max_depth` tokens of a set of streams, with counts and suffix links.
+
+    A node is a slot in typed arrays (its count, suffix link, depth, parent, token and first
+    child inline: ~30 bytes); only nodes with several children hold a dict for the others. In a
+    suffix trie of text most nodes have one child, so this is several times smaller than a dict
+    per node."""
 
     def __init__(self, max_depth: int = 24) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth={max_depth}; allowed: >= 2 tokens")
         self.max_depth = max_depth
-        # Node 0 is the root (the empty string). Parallel lists keep a node at ~100 bytes.
-        self._kids: list[dict[int, int] | None] = [None]
-        self._count = [0]
-        self._link = [0]
-        self._depth = [0]
-        self._parent = [0]
-        self._token = [-1]
+        # Node 0 is the root (the empty string).
+        self._count = array("i", [0])
+        self._link = array("i", [0])
+        self._depth = array("i", [0])
+        self._parent = array("i", [0])
+        self._token = array("i", [-1])
+        self._first = array("i", [-1])  # the first child's token (-1: no children)
+        self._first_node = array("i", [0])
+        self._more: dict[int, dict[int, int]] = {}  # node -> {token: child} beyond the first
         self._free: list[int] = []
-        self._streams: dict[int, list[int]] = {}
+        self._streams: dict[int, array] = {}
         self._tails: dict[int, list[int]] = {}  # open streams: nodes of their last 1..max_depth tokens
         self.num_tokens = 0
 
@@ -73,40 +81,87 @@ class SuffixIndex:
 
     def nbytes(self) -> int:
         """Memory held, estimated from the containers' sizes (CPython)."""
-        per_slot = 6 * 8  # one pointer in each of the six parallel lists
-        dicts = sum(sys.getsizeof(k) for k in self._kids if k is not None)
-        ints = 28 * (self.num_nodes * 2 + self.num_tokens)  # counts / depths not small-int cached, tokens
-        tails = sum(8 * len(t) for t in self._tails.values())
-        return per_slot * len(self._count) + dicts + ints + 8 * self.num_tokens + tails
+        arrays = 7 * 4 * len(self._count) + 8 * len(self._free)
+        more = sys.getsizeof(self._more) + sum(sys.getsizeof(d) + 2 * 28 * len(d) for d in self._more.values())
+        streams = sum(4 * len(t) + 64 for t in self._streams.values())
+        tails = sum(8 * len(t) + 56 for t in self._tails.values())
+        return arrays + more + streams + tails
+
+    # ---- nodes ----
+
+    def _child(self, node: int, token: int) -> int:
+        """The child of `node` by `token` (0 when there is none)."""
+        if self._first[node] == token:
+            return self._first_node[node]
+        more = self._more.get(node)
+        return more.get(token, 0) if more else 0
+
+    def _children(self, node: int) -> list[tuple[int, int]]:
+        first = self._first[node]
+        if first < 0:
+            return []
+        out = [(first, self._first_node[node])]
+        more = self._more.get(node)
+        return out + list(more.items()) if more else out
+
+    def _new(self, parent: int, token: int, link: int) -> int:
+        depth = self._depth[parent] + 1
+        if self._free:
+            node = self._free.pop()
+            self._count[node], self._link[node], self._depth[node] = 0, link, depth
+            self._parent[node], self._token[node], self._first[node] = parent, token, -1
+        else:
+            node = len(self._count)
+            for arr, v in ((self._count, 0), (self._link, link), (self._depth, depth), (self._parent, parent),
+                           (self._token, token), (self._first, -1), (self._first_node, 0)):
+                arr.append(v)
+        if self._first[parent] < 0:
+            self._first[parent], self._first_node[parent] = token, node
+        else:
+            self._more.setdefault(parent, {})[token] = node
+        return node
+
+    def _unlink(self, node: int) -> None:
+        """Take a node out of its parent's children."""
+        parent, token = self._parent[node], self._token[node]
+        more = self._more.get(parent)
+        if self._first[parent] == token:
+            if more:
+                t, c = more.popitem()
+                self._first[parent], self._first_node[parent] = t, c
+            else:
+                self._first[parent] = -1
+        elif more is not None:
+            del more[token]
+        if more is not None and not more:
+            del self._more[parent]
 
     # ---- streams ----
 
-    def streams(self) -> dict[int, list[int]]:
+    def streams(self) -> dict[int, array]:
         return self._streams
 
     def extend(self, stream: int, tokens: list[int]) -> None:
         """Append tokens to a stream (a new one if unknown); its substrings ending there count once."""
-        seq = self._streams.setdefault(stream, [])
-        if stream not in self._tails:
-            if seq:
-                raise ValueError(f"stream {stream} is closed; extend an open stream or start a new one")
+        seq = self._streams.get(stream)
+        if seq is None:
+            seq = self._streams[stream] = array("i")
             self._tails[stream] = []
+        elif stream not in self._tails:
+            raise ValueError(f"stream {stream} is closed; extend an open stream or start a new one")
         tail = self._tails[stream]
-        kids, count, depth_cap = self._kids, self._count, self.max_depth
+        count, depth_cap, child_of = self._count, self.max_depth, self._child
         for t in tokens:
             new: list[int] = []
             for k in range(min(len(tail) + 1, depth_cap)):  # the node of the last k + 1 tokens
                 parent = tail[k - 1] if k else 0
-                children = kids[parent]
-                if children is None:
-                    children = kids[parent] = {}
-                child = children.get(t)
-                if child is None:
-                    child = children[t] = self._new(parent, t, new[k - 1] if k else 0)
+                child = child_of(parent, t)
+                if not child:
+                    child = self._new(parent, t, new[k - 1] if k else 0)
                 count[child] += 1
                 new.append(child)
             tail[:] = new
-            seq.append(t)
+        seq.extend(tokens)
         self.num_tokens += len(tokens)
 
     def close(self, stream: int) -> None:
@@ -122,37 +177,17 @@ class SuffixIndex:
         for t in seq:  # the same walk as extend, uncounting; nodes freed after (children are reached through them)
             new = []
             for k in range(min(len(tail) + 1, self.max_depth)):
-                child = self._kids[tail[k - 1] if k else 0][t]
+                child = self._child(tail[k - 1] if k else 0, t)
                 self._count[child] -= 1
                 if self._count[child] == 0:
                     dead.append(child)
                 new.append(child)
             tail = new
-        for node in dead:
-            parent = self._parent[node]
-            siblings = self._kids[parent]
-            if siblings is not None:
-                del siblings[self._token[node]]
-                if not siblings:
-                    self._kids[parent] = None
-            self._kids[node] = None
+        for node in reversed(dead):  # children first: each unlinks from a parent still in place
+            self._unlink(node)
+            self._more.pop(node, None)
         self._free.extend(dead)
         self.num_tokens -= len(seq)
-
-    def _new(self, parent: int, token: int, link: int) -> int:
-        depth = self._depth[parent] + 1
-        if self._free:
-            node = self._free.pop()
-            self._kids[node], self._count[node], self._link[node] = None, 0, link
-            self._depth[node], self._parent[node], self._token[node] = depth, parent, token
-            return node
-        self._kids.append(None)
-        self._count.append(0)
-        self._link.append(link)
-        self._depth.append(depth)
-        self._parent.append(parent)
-        self._token.append(token)
-        return len(self._count) - 1
 
     # ---- lookups ----
 
@@ -169,9 +204,8 @@ class SuffixIndex:
         """The node of exactly this string, or None if it does not occur (or is too long)."""
         node = 0
         for t in tokens:
-            kids = self._kids[node]
-            node = kids.get(t) if kids is not None else None
-            if node is None:
+            node = self._child(node, t)
+            if not node:
                 return None
         return node
 
@@ -179,12 +213,11 @@ class SuffixIndex:
         """The node of the longest suffix of `context`, at most `max_len` (default max_depth - 1)
         tokens, that occurs in the index (0, the root, when none does)."""
         n = self.max_depth - 1 if max_len is None else min(max_len, self.max_depth)
-        node, kids, link = 0, self._kids, self._link
+        node, link, child_of = 0, self._link, self._child
         for t in context[len(context) - n:] if n < len(context) else context:
             while True:
-                children = kids[node]
-                nxt = children.get(t) if children is not None else None
-                if nxt is not None:
+                nxt = child_of(node, t)
+                if nxt:
                     node = nxt
                     break
                 if node == 0:
@@ -194,14 +227,13 @@ class SuffixIndex:
 
     def continuations(self, node: int) -> dict[int, int]:
         """What followed the node's string: next token -> occurrences."""
-        kids = self._kids[node]
-        return {t: self._count[c] for t, c in kids.items()} if kids else {}
+        return {t: self._count[c] for t, c in self._children(node)}
 
     def matches(self, context: list[int]) -> list[int]:
         """Nodes of the context's suffixes that have continuations, longest first."""
         node, out = self.match(context), []
         while node:
-            if self._kids[node]:
+            if self._first[node] >= 0:
                 out.append(node)
             node = self._link[node]
         return out
@@ -221,13 +253,16 @@ class SuffixIndex:
             nonlocal order
             if trie_node and self._depth[trie_node] >= self.max_depth:
                 trie_node = self._link[trie_node]  # the same context one token shorter carries on
-            kids = self._kids[trie_node]
-            if not kids or path_depth >= max_path:
+            if path_depth >= max_path:
+                return
+            kids = self._children(trie_node)
+            if not kids:
                 return
             context = self._depth[trie_node]
             factor = 1.0 if scale is None else scale(context)
-            total = sum(self._count[c] for c in kids.values())
-            best = heapq.nlargest(branch, kids.items(), key=lambda kv: (self._count[kv[1]], -kv[0]))
+            total = sum(self._count[c] for _, c in kids)
+            best = kids if branch == 1 and len(kids) == 1 else \
+                heapq.nlargest(branch, kids, key=lambda kv: (self._count[kv[1]], -kv[0]))
             for _, c in best:
                 cond = self._count[c] / total
                 p = prob * min(1.0, factor * cond)

@@ -576,7 +576,11 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
                "rollout_tail_tokens_per_s": tail_tokens / tail_s if tail_s else 0.0,  # per worker
                "rollout_idle_s": sum(rollout_s - b for b in busy),  # workers waiting for the slowest
                "rollout_spec_decisions": sum(len(s["decisions"]) for s in st)}
-    spec = {k: sum(s["spec"].get(k, 0) for s in st) for k in ("verifies", "accepted", "drafted")}
+    spec = {k: sum(s["spec"].get(k, 0) for s in st) for k in ("verifies", "accepted", "drafted", "draft_seconds")}
+    metrics["rollout_spec_draft_s"] = max(s["spec"].get("draft_seconds", 0.0) for s in st)  # per worker
+    memory = getattr(engine.drafter, "memory", None)
+    if memory is not None:  # the history drafter's size on this rank
+        metrics.update({f"suffix/{k}": v for k, v in memory().items()})
     if spec["verifies"]:
         metrics["rollout_spec_tau"] = (spec["accepted"] + spec["verifies"]) / spec["verifies"]
         metrics["rollout_spec_acceptance"] = spec["accepted"] / max(1, spec["drafted"])

@@ -42,7 +42,7 @@ def _check(result, arms):
 
 
 def test_bench_rl_reclaim_arms_agree_and_write_json_and_png(tiny_model_dir, tiny_drafter, tmp_path):
-    arms = ["plain", "static", "adaptive"]
+    arms = ["plain", "static", "adaptive", "suffix", "hybrid"]
     spec = quick_spec(model=str(tiny_model_dir), config="grpo-tiny", drafter=str(tiny_drafter), arms=arms,
                       out_dir=str(tmp_path))
     main(spec)
@@ -51,6 +51,7 @@ def test_bench_rl_reclaim_arms_agree_and_write_json_and_png(tiny_model_dir, tiny
     _check(result, arms)
     assert result["arm_settings"]["static"]["spec_depths"] == [2]
     assert result["arm_settings"]["adaptive"]["speculative"].startswith("eagle:")
+    assert result["arm_settings"]["hybrid"]["speculative"] == f"hybrid:{tiny_drafter}"
     # The tail (at most 4 sequences in flight: all of a quick run) is where the speculating arms verified drafts.
     assert any(r.get("rollout_spec_tau") for r in result["arms"]["static"]["steps"])
     assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["torch_threads"] == 1
@@ -71,6 +72,8 @@ def test_bench_rl_refuses_bad_arms():
         RLBenchSpec(arms=["plain", "vllm"])
     with pytest.raises(ValueError, match="'plain'"):
         RLBenchSpec(arms=["adaptive"])
+    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+        RLBenchSpec(num_prompts=0)
 
 
 def test_held_out_accuracy_before_and_after_a_run(tiny_model_dir, tmp_path):
@@ -123,5 +126,23 @@ def test_step_goal_reports_the_bound_the_tail_allows():
     assert s["goals"]["step_time_1.5x_vs_plain"]["bound_if_tail_free"] == pytest.approx(4 / 3)
     assert s["goals"]["step_time_1.5x_vs_plain"]["measured"] == pytest.approx(8 / 7)
     lines = goal_lines(s)
-    assert "goal step_time_1.5x_vs_plain: 1.14x against 1.5x, not met (a free tail would give at most 1.33x)" in lines
-    assert "goal tail_throughput_2x_vs_plain: 2.00x against 2.0x, met" in lines
+    assert ("goal step_time_1.5x_vs_plain (adaptive): 1.14x against 1.5x, not met (a free tail would give at most "
+            "1.33x)") in lines
+    assert "goal tail_throughput_2x_vs_plain (adaptive): 2.00x against 2.0x, met" in lines
+    # the step against what a free tail allows: 8/7 of at most 4/3
+    assert s["goals"]["step_90pct_of_the_tail_free_bound"]["measured"] == pytest.approx((8 / 7) / (4 / 3))
+
+
+def test_the_goals_are_the_best_arms():
+    """With several speculating arms the goals report the one whose tail is fastest."""
+    from reclaim.bench.rl import summarize
+
+    def step(tail_rate, tau):
+        return {"step_time": 8.0, "rollout_s": 4.0, "rollout_tokens_per_s": 100.0, "reward": 0.0,
+                "rollout_tail_s": 2.0, "rollout_tail_tokens_per_s": tail_rate, "rollout_spec_tau": tau}
+
+    arms = {"plain": {"steps": [step(40.0, None)]}, "adaptive": {"steps": [step(50.0, 1.5)]},
+            "suffix": {"steps": [step(70.0, 2.5)]}}
+    s = summarize(arms)
+    assert s["best_arm"] == "suffix" and s["goals"]["tail_tau_3"]["measured"] == pytest.approx(2.5)
+    assert s["goals"]["tail_throughput_2x_vs_plain"]["measured"] == pytest.approx(70 / 40)

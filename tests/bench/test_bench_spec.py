@@ -21,10 +21,26 @@ def test_bench_spec_writes_every_point(tiny_model_dir, tmp_path):
     methods = {(p["temperature"], p["batch"], p["method"]) for p in result["points"]}
     for t in (0.0, 0.7):
         for b in (1, 2):
-            assert {(t, b, m) for m in ("plain", "ngram", "eagle-chain", "eagle-chain-fixed", "eagle-tree")} <= methods
+            assert {(t, b, m) for m in ("plain", "ngram", "suffix", "hybrid", "eagle-chain", "eagle-chain-fixed",
+                                        "eagle-tree")} <= methods
     assert {(0.0, 1, "transformers"), (0.0, 1, "transformers-prompt-lookup")} <= methods
     for p in result["points"]:
         if p["temperature"] == 0 and p["method"] != "transformers-prompt-lookup":
             assert p["identical_to_plain"] == p["prompts"], p  # lossless, and the same as transformers
     assert all(len(p["tokens_per_s_runs"]) == 2 for p in result["points"] if "verifies" in p)
     assert result["meta"]["git"]["commit"] and result["meta"]["machine"]["cpu_model"]
+    history = [p for p in result["points"] if p["method"] == "suffix"]
+    assert all(p["history"]["tokens"] > 0 and p["step_seconds"] > 0 for p in history)  # memory reported
+
+
+def test_bench_spec_runs_the_methods_asked_for_and_refuses_unknown_ones(tiny_model_dir, tmp_path):
+    import pytest
+
+    spec = SpecBenchSpec(model=str(tiny_model_dir), drafter="unused", batch_sizes=[1], temperatures=[0.0],
+                         num_prompts=2, max_tokens=4, repeats=1, hf_peer=False, methods=["suffix"],
+                         out_dir=str(tmp_path / "out"))
+    main(spec)
+    result = json.loads((tmp_path / "out" / "spec.json").read_text())
+    assert {p["method"] for p in result["points"]} == {"plain", "suffix"}
+    with pytest.raises(ValueError, match=r"methods \['medusa'\] are unknown"):
+        main(SpecBenchSpec(model=str(tiny_model_dir), drafter="unused", methods=["medusa"], out_dir=str(tmp_path)))
