@@ -208,9 +208,9 @@ def demo(
     ssm_steps: int = typer.Option(5, help="Adjoint training steps of the SSM part (0 skips it)."),
     online_rounds: int = typer.Option(4, help="Feedback rounds of the online-learning part (0 skips it)."),
     grpo_steps: int = typer.Option(1, help="GRPO steps of the RL part (0 skips it)."),
-    speculative: str = typer.Option("auto", "--speculative", help="The speculative part: auto (eagle when the "
-                                    "default drafter is cached, else ngram), eagle (trains and caches it on first "
-                                    "use, about 2 min), ngram, eagle:PATH or none."),
+    speculative: str = typer.Option("suffix", "--speculative", help="The speculative part: suffix (history: "
+                                    "nothing to train), eagle (trains and caches the default drafter on first use, "
+                                    "about 2-6 min), hybrid, ngram, eagle:PATH, hybrid:PATH or none."),
 ) -> None:
     """The main job on the default model: batched generation, speculative decoding next to plain,
     learning from feedback while serving, a GRPO step with adaptive speculative rollouts, then a
@@ -222,16 +222,10 @@ def demo(
     model, tok = load_model(None)
     typer.echo("== inference engine: a batch of chat prompts on the default model ==")
     run_demo(model, tok, max_tokens=max_tokens)
-    if speculative == "auto":
-        from reclaim.rl.drafter_trainer import default_drafter_path
-
-        cached = (default_drafter_path() / "config.json").is_file()
-        speculative = "eagle" if cached else "ngram"
-        if not cached:  # keeps the first demo short; training the drafter takes about 2 min here
-            typer.echo("\n(no EAGLE drafter cached yet: `reclaim demo --speculative eagle` or `reclaim drafter "
-                       "train --config drafter-smollm2` trains one in about 2 min; this run uses ngram)")
+    if speculative == "auto":  # the old default's name
+        speculative = "suffix"
     if speculative != "none":
-        typer.echo("\n== speculative decoding: the same prompt plain and speculative (lossless) ==")
+        typer.echo("\n== speculative decoding: a two-turn chat plain and speculative (lossless) ==")
         speculative_demo(model, tok, _speculative(speculative, None))
     if online_rounds > 0:
         from reclaim.online.demo import demo_online

@@ -251,7 +251,9 @@ class Engine:
             batch = len(self.scheduler.running)
             speculate = spec is not None and batch <= spec.max_batch
             arm = spec.method if speculate else "plain"
-            if speculate and self.depths is not None:  # dynamic: the arm that pays at this batch size
+            # dynamic: the arm that pays at this batch size (the history drafter decides per draft
+            # itself, from its measured acceptance and the measured cost of a draft token)
+            if speculate and self.depths is not None and spec.method != "suffix":
                 arm = self.spec_gate.choose(batch)
                 speculate = arm != "plain"
                 if not speculate:

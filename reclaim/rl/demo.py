@@ -16,14 +16,15 @@ from typing import Any, TextIO
 import torch
 
 
-def demo_config(speculative: str = "auto", steps: int = 2, threshold: int = 2) -> Any:
-    """The demo's GRPOConfig; speculative 'auto' is the default model's cached EAGLE drafter, else ngram."""
+def demo_config(speculative: str = "suffix", steps: int = 2, threshold: int = 2) -> Any:
+    """The demo's GRPOConfig; speculative 'suffix' (the default) drafts from the group's other
+    completions, nothing to train ('auto': the default model's cached EAGLE drafter, else suffix)."""
     from reclaim.rl.grpo import GRPOConfig
 
     if speculative == "auto":
         from reclaim.rl.drafter_trainer import default_drafter_path
 
-        speculative = "eagle" if (default_drafter_path() / "config.json").is_file() else "ngram"
+        speculative = "eagle" if (default_drafter_path() / "config.json").is_file() else "suffix"
     return GRPOConfig(task="add_word", num_prompts=8, num_generations=4, per_device_train_batch_size=4,
                       gradient_accumulation_steps=1, max_completion_length=64, temperature=0.7,
                       prompt_template="{question}\nEnd with the final answer as <answer>NUMBER</answer>.",
@@ -44,14 +45,15 @@ def _backward(policy: torch.nn.Module, batch: Any, cfg: Any) -> float:
     return loss.item()
 
 
-def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None, *, speculative: str = "auto",
+def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None, *, speculative: str = "suffix",
               steps: int = 2, threshold: int = 2) -> dict[str, Any]:
     """`steps` GRPO steps on a copy of `model` with adaptive speculative rollouts, printed to `out`
     (stdout); returns the last step's metrics and the run's seconds."""
+    from reclaim.engine.drafters import make_drafter
     from reclaim.engine.engine import Engine
     from reclaim.models.tokenizer import encode_chat
     from reclaim.optim import adamw
-    from reclaim.rl.grpo import build_dataset, prompt_rows, rollout, rollout_runner
+    from reclaim.rl.grpo import build_dataset, prompt_rows, rollout, rollout_runner, spec_arms
     from reclaim.rl.rewards import load_reward
 
     out = out or sys.stdout
@@ -64,14 +66,16 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     runner = rollout_runner(cfg)
     # The drafter is built with the engine so that it sees every sequence from its prefill on: one
     # first made in the tail has no hidden states of the sequences running and cannot draft for them.
-    engine = Engine(copy.deepcopy(model).eval(), tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
+    served = copy.deepcopy(model).eval()
+    engine = Engine(served, tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
                     max_model_len=max(map(len, prompts)) + cfg.max_completion_length,
-                    speculative=next(a for a in runner.bandit.arms if a is not None))
+                    drafter=make_drafter(spec_arms(cfg)[-1], served))
     opt = adamw(list(policy.parameters()), lr=cfg.learning_rate)
     eos = set(engine.eos_token_ids)
-    spec = cfg.speculative if cfg.speculative != "eagle" else "eagle (the default model's drafter)"
+    spec = {"eagle": "eagle, the default model's drafter", "suffix": "suffix, drafted from the group's other "
+            "completions"}.get(cfg.speculative, cfg.speculative)
     out.write(f"GRPO: {cfg.num_generations} completions per prompt, speculative rollouts ({spec}) while at most "
-              f"{cfg.spec_threshold} are decoding, the depth chosen by a bandit\n")
+              f"{cfg.spec_threshold} are decoding, plain or a draft arm chosen by a bandit\n")
     metrics: dict[str, Any] = {}
     for step in range(cfg.max_steps):
         t = time.perf_counter()

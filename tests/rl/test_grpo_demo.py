@@ -14,7 +14,7 @@ def test_demo_grpo_runs_two_steps_and_leaves_the_model_alone(tiny_model_dir, one
     before = {k: v.clone() for k, v in model.state_dict().items()}
     out = io.StringIO()
     # Threshold 6: every sequence of the tiny model's rollout is "tail", so each step speculates.
-    result = demo_grpo(model, tok, out, speculative="ngram", steps=2, threshold=6)
+    result = demo_grpo(model, tok, out, speculative="suffix", steps=2, threshold=6)
     text = out.getvalue()
     assert text.count("step ") >= 2 and "tokens/s" in text and "long tail" in text and "reward" in text
     assert result["steps"] == 2 and result["rollout_tokens_per_s"] > 0 and result["rollout_spec_decisions"] > 0
