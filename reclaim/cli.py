@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import typer
@@ -596,6 +598,8 @@ def bench_rl(
                              help="Comma-separated arms: plain, static, adaptive, suffix, hybrid, trl."),
     quick: bool = typer.Option(False, "--quick", help="Smoke sizes: 2 steps of 1 prompt x 4 completions of 12 "
                                "tokens (other size options ignored)."),
+    rollouts_only: bool = typer.Option(False, "--rollouts-only", help="Only the rollouts, every reclaim arm's "
+                                       "of each step back to back (no training): rl-rollouts.json."),
     accuracy: str = typer.Option(None, "--accuracy", help="Instead: greedy held-out accuracy of this `reclaim "
                                  "grpo` output_dir's last checkpoint against its starting model."),
     eval_prompts: int = typer.Option(100, help="--accuracy: held-out prompts."),
@@ -625,6 +629,16 @@ def bench_rl(
             adaptive_depths=[int(d) for d in adaptive_depths.split(",")], greedy_prompts=greedy_prompts, **common)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
+    if rollouts_only:
+        from reclaim.bench.rl import main_rollouts
+
+        summary = main_rollouts(dataclasses.replace(spec, arms=[a for a in spec.arms if a != "trl"]))["summary"]
+        for name, s in summary.items():
+            tail = f", tail {s['tail_speedup_vs_plain']:.2f}x" if s.get("tail_speedup_vs_plain") else ""
+            typer.echo(f"{name}: rollout {s['rollout_speedup_vs_plain']:.2f}x plain{tail}, tau {s['mean_tau']}, "
+                       f"completions identical {s['identical_completions']}")
+        typer.echo(f"wrote {out_dir}/rl-rollouts.json and {out_dir}/rl-rollouts.png")
+        return
     result = main(spec)
     for line in goal_lines(result["summary"]):
         typer.echo(line)

@@ -405,6 +405,106 @@ def measure(spec: RLBenchSpec) -> dict[str, Any]:
             "meta": finish_metadata(meta)}
 
 
+def measure_rollouts(spec: RLBenchSpec) -> dict[str, Any]:
+    """The rollouts alone, side by side: each step's prompts rolled out by every reclaim arm one
+    after the other (the order rotated step by step, so drift in the machine's speed falls on
+    every arm alike), each arm's engine and drafter kept across steps as in training; no training
+    between steps (the policy stays the starting model). Per arm: rollout and tail seconds, tail
+    tokens/s, tau, the history drafter's memory; the completions must be identical to plain's."""
+    from reclaim.engine.request import SamplingParams
+    from reclaim.models.tokenizer import encode_chat
+    from reclaim.rl.grpo import _open_engine, request_seed, rollout_runner
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    meta = run_metadata()
+    with tempfile.TemporaryDirectory(prefix="reclaim-bench-rl-") as tmp:
+        cfgs = {n: dataclasses.replace(c, drafter_online=False) for n, c in arm_configs(spec, Path(tmp)).items()}
+    base = cfgs["plain"]
+    rows, _, model, tok = step_prompts(base)
+    per_step = base.generation_batch_size // base.num_generations
+    prompts = [encode_chat(tok, r["prompt"])[-(base.max_prompt_length or 10**9):] for r in rows]
+    max_len = max(map(len, prompts)) + base.max_completion_length
+    engines = {n: _open_engine(c, model, tok, max_len, None)[0] for n, c in cfgs.items()}
+    runners = {n: rollout_runner(c) for n, c in cfgs.items()}
+    names = list(cfgs)
+    steps: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for step in range(spec.steps):
+        ids = [p for p in prompts[step * per_step:(step + 1) * per_step] for _ in range(base.num_generations)]
+        params = [SamplingParams(temperature=base.temperature, top_p=base.top_p, max_tokens=base.max_completion_length,
+                                 seed=request_seed(base.seed, step, i)) for i in range(len(ids))]
+        order = names[step % len(names):] + names[:step % len(names)]
+        for name in order:
+            engine = engines[name]
+            next_round = getattr(engine.drafter, "next_round", None)
+            if next_round is not None:
+                next_round()
+            outs, st = runners[name].generate(engine, ids, params)
+            s = st.spec
+            rec = {"step": step + 1, "rollout_s": st.seconds, "rollout_tokens": st.tokens,
+                   "rollout_tail_s": st.tail_seconds, "rollout_tail_tokens": st.tail_tokens,
+                   "rollout_spec_tau": (s["accepted"] + s["verifies"]) / s["verifies"] if s.get("verifies") else None,
+                   "rollout_spec_draft_s": s.get("draft_seconds", 0.0), "completions": [o.token_ids for o in outs]}
+            memory = getattr(engine.drafter, "memory", None)
+            if memory is not None:
+                rec["history"] = memory()
+            steps[name].append(rec)
+            tau = rec["rollout_spec_tau"]
+            print(f"{name:<9} step {step + 1}: rollout {st.seconds:5.1f} s, tail {st.tail_seconds:5.1f} s "
+                  f"({st.tail_tokens} tokens){'' if tau is None else f', tau {tau:.2f}'}", flush=True)
+    summary = {}
+    for name, st in steps.items():
+        tail = sum(r["rollout_tail_s"] for r in st)
+        taus = [r["rollout_spec_tau"] for r in st if r["rollout_spec_tau"]]
+        summary[name] = {"rollout_seconds": sum(r["rollout_s"] for r in st), "tail_seconds": tail,
+                         "tail_tokens_per_s": sum(r["rollout_tail_tokens"] for r in st) / tail if tail else None,
+                         "mean_tau": statistics.mean(taus) if taus else None,
+                         "draft_share_of_tail": sum(r["rollout_spec_draft_s"] for r in st) / tail if tail else None,
+                         "identical_completions": [f"{sum(a == b for a, b in zip(r['completions'], p['completions']))}/"
+                                                   f"{len(p['completions'])}" for r, p in zip(st, steps["plain"])]}
+        if "history" in st[-1]:
+            summary[name]["history"] = st[-1]["history"]
+    plain = summary["plain"]
+    for s in summary.values():
+        s["rollout_speedup_vs_plain"] = plain["rollout_seconds"] / s["rollout_seconds"]
+        if s["tail_tokens_per_s"] and plain["tail_tokens_per_s"]:
+            s["tail_speedup_vs_plain"] = s["tail_tokens_per_s"] / plain["tail_tokens_per_s"]
+    for st in steps.values():
+        for r in st:
+            r.pop("completions")
+    return {"spec": asdict(spec), "config": dataclasses.asdict(base), "mode": "rollouts only",
+            "arm_settings": {n: {"speculative": c.speculative, "adaptive": c.adaptive, "spec_depths": c.spec_depths}
+                             for n, c in cfgs.items()},
+            "arms": {n: {"steps": st} for n, st in steps.items()}, "summary": summary, "meta": finish_metadata(meta)}
+
+
+def plot_rollouts(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (key, title) in zip(axes, (("rollout_s", "rollout (s)"), ("rollout_tail_s", "time in the tail (s)"),
+                                        ("rollout_spec_tau", "mean accepted length tau"))):
+        for name, arm in result["arms"].items():
+            pts = [(r["step"], r[key]) for r in arm["steps"] if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{ARMS.index(name)}", label=name)
+        ax.set_title(title)
+        ax.set_xlabel("RL step (its prompts)")
+        ax.legend(fontsize=7)
+    fig.suptitle("GRPO rollouts alone, arms side by side (reclaim bench rl --rollouts-only)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main_rollouts(spec: RLBenchSpec) -> dict[str, Any]:
+    result = measure_rollouts(spec)
+    write_result(spec.out_dir, "rl-rollouts", result, plot_rollouts)
+    return result
+
+
 def _print(arm: str, s: dict[str, Any]) -> None:
     tau = f" tau {s['rollout_spec_tau']:.2f}" if s.get("rollout_spec_tau") else ""
     tail = f" tail {s['rollout_tail_s']:5.1f} s" if "rollout_tail_s" in s else ""

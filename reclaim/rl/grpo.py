@@ -139,6 +139,7 @@ class GRPOConfig:
     spec_threshold: int = 4  # speculate only while at most this many sequences are in flight
     spec_depths: list[int] = field(default_factory=lambda: [2, 4])  # EAGLE / ngram draft depths: the bandit's arms
     adaptive: bool = True  # a bandit per batch-size bucket picks plain or an arm; False: the last arm always
+    # (suffix has one arm and no plain one: the history drafter drafts only where it pays)
     suffix_history_steps: int | None = 4  # suffix, hybrid: steps of a prompt's completions kept; None: all
     suffix_cache_tokens: int = 1 << 20  # suffix, hybrid: tokens of finished completions kept in all
     bandit_policy: str = "epsilon_greedy"  # or ucb1
@@ -478,7 +479,8 @@ def rollout_runner(cfg: GRPOConfig, log: Callable[[dict[str, Any]], None] | None
     if cfg.speculative == "none":
         return AdaptiveRollout(None)
     arms = spec_arms(cfg)
-    arms = [None, *arms] if cfg.adaptive else arms[-1:]
+    # The history drafter needs no plain arm: it drafts only what pays at the step's measured cost.
+    arms = [None, *arms] if cfg.adaptive and cfg.speculative != "suffix" else arms[-1:]
     bandit = BucketedBandit(arms, buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.spec_threshold] or [1],
                             policy=cfg.bandit_policy, epsilon=cfg.bandit_epsilon, seed=cfg.seed)
     return AdaptiveRollout(bandit, threshold=cfg.spec_threshold, log=log)

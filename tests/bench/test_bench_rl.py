@@ -146,3 +146,18 @@ def test_the_goals_are_the_best_arms():
     s = summarize(arms)
     assert s["best_arm"] == "suffix" and s["goals"]["tail_tau_3"]["measured"] == pytest.approx(2.5)
     assert s["goals"]["tail_throughput_2x_vs_plain"]["measured"] == pytest.approx(70 / 40)
+
+
+def test_rollouts_only_runs_every_arm_on_the_same_prompts(tiny_model_dir, tiny_drafter, tmp_path):
+    """`--rollouts-only`: each step's rollout through every reclaim arm back to back, the same
+    seeded completions everywhere, the history drafter's memory reported."""
+    from reclaim.bench.rl import main_rollouts
+
+    spec = quick_spec(model=str(tiny_model_dir), config="grpo-tiny", drafter=str(tiny_drafter),
+                      arms=["plain", "suffix", "hybrid"], out_dir=str(tmp_path), steps=3, num_prompts=1)
+    result = main_rollouts(spec)
+    assert (tmp_path / "rl-rollouts.json").exists() and (tmp_path / "rl-rollouts.png").stat().st_size > 0
+    s = result["summary"]
+    for name in ("suffix", "hybrid"):
+        assert s[name]["identical_completions"] == ["4/4"] * 3 and s[name]["rollout_speedup_vs_plain"] > 0
+    assert s["suffix"]["history"]["tokens"] > 0 and s["suffix"]["mean_tau"] is not None
