@@ -106,8 +106,7 @@ class HybridDrafter:
 def history_drafter(cfg: SpeculativeConfig) -> SuffixDrafter:
     return SuffixDrafter(cache_tokens=cfg.suffix_cache_tokens, max_depth=cfg.suffix_max_tree_depth,
                          history_steps=cfg.suffix_history_steps, branch=cfg.suffix_topk,
-                         spec_factor=cfg.suffix_max_spec_factor, min_prob=cfg.suffix_min_token_prob,
-                         draft_overhead=cfg.draft_overhead)
+                         spec_factor=cfg.suffix_max_spec_factor, min_prob=cfg.suffix_min_token_prob)
 
 
 def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) -> Drafter:

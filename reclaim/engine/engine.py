@@ -268,12 +268,12 @@ class Engine:
                 share(src, dst, n)
             if not sched.chunks:
                 return outputs
-            t0, drafted = time.perf_counter(), self.spec_stats["drafted"]
+            t0, drafted, verified = time.perf_counter(), self.spec_stats["drafted"], self.spec_stats["verifies"]
             executed = self._execute(sched.chunks)
             if self.depths is not None and not any(c.is_prefill for c in sched.chunks):
                 # what decode-only steps cost and yield: the depths and the gate go by them
                 seconds, drafted = time.perf_counter() - t0, self.spec_stats["drafted"] - drafted
-                self.step_costs.observe(len(sched.chunks), drafted, seconds)
+                self.step_costs.observe(len(sched.chunks), drafted, seconds, self.spec_stats["verifies"] - verified)
                 committed = sum(len(t) for _, t, _ in executed if not isinstance(t, Exception))
                 self.spec_gate.update(len(sched.chunks), arm if drafted > 0 else "plain", committed, seconds)
             for rid, tokens, lps in executed:
@@ -539,9 +539,12 @@ class Engine:
         t0 = time.perf_counter()
         if self.speculative is None or not any(c.lookahead for c in chunks):
             return {}
-        cost = self.depths.cost_per_token(len(chunks)) if self.depths is not None else self.speculative.draft_token_cost
+        if self.depths is not None:
+            cost, overhead = self.depths.cost_per_token(len(chunks)), self.depths.overhead_per_verify(len(chunks))
+        else:
+            cost, overhead = self.speculative.draft_token_cost, self.speculative.draft_overhead
         asks = [DraftRequest(c.request_id, r.seq.token_ids, c.lookahead, r.seq.params, r.generator,
-                             r.seq.num_prompt_tokens, cost)
+                             r.seq.num_prompt_tokens, cost, overhead)
                 for c in chunks if c.lookahead > 0
                 for r in [self._requests[c.request_id]] if self._can_speculate(r.seq.params)]
         if not asks:

@@ -12,7 +12,8 @@ prompt's first) or their round falls out of the window; sequences in flight are 
 A draft comes from the longest suffixes of the context with continuations in either index (a
 few candidates, the best kept by expected accepted tokens). Its size follows its confidence:
 tokens are added best first while one's probability (its count share, scaled by the acceptance
-measured so far) pays for verifying it at the step's `token_cost`, a path is at most
+measured so far) pays for verifying it at the step's `token_cost` (and the whole draft for the
+step's `overhead` of verifying one at all), a path is at most
 `spec_factor` times the match length, and a sequence's tokens count `1 + length / length_scale`
 times (DAS's length-aware budget: the long sequences that set a rollout's makespan draft deeper).
 """
@@ -52,7 +53,7 @@ class SuffixDrafter:
 
     def __init__(self, *, cache_tokens: int = 1 << 18, max_depth: int = 24, history_steps: int | None = None,
                  branch: int = 1, spec_factor: float = 1.0, min_prob: float = 0.05, length_scale: int = 256,
-                 draft_overhead: float = 0.05, candidates: int = 3) -> None:
+                 candidates: int = 3) -> None:
         if cache_tokens < 1:
             raise ValueError(f"suffix cache_tokens={cache_tokens}; allowed: >= 1 (tokens of finished sequences kept)")
         if history_steps is not None and history_steps < 0:
@@ -62,7 +63,7 @@ class SuffixDrafter:
                              f"{length_scale}; need branch >= 1, spec_factor > 0, 0 <= min_prob < 1, length_scale >= 1")
         self.cache_tokens, self.max_depth, self.history_steps = cache_tokens, max_depth, history_steps
         self.branch, self.spec_factor, self.min_prob = branch, spec_factor, min_prob
-        self.length_scale, self.draft_overhead, self.candidates = length_scale, draft_overhead, candidates
+        self.length_scale, self.candidates = length_scale, candidates
         self._indices: dict[tuple[int, ...] | None, SuffixIndex] = {_ALL: SuffixIndex(max_depth)}
         self._seqs: dict[str, _Seq] = {}
         self._kept: OrderedDict[tuple[tuple[int, ...] | None, int], tuple[int, int]] = OrderedDict()  # -> (tokens, round)
@@ -160,14 +161,14 @@ class SuffixDrafter:
             return None
         own = self._indices[seq.group]
         value = 1 + max(0, len(r.token_ids) - r.num_prompt_tokens) / self.length_scale
-        cost = r.token_cost / value
+        cost, overhead = r.token_cost / value, r.overhead / value
         best, best_gain = None, 0.0
         for index in (own, self._indices[_ALL]):
             for node in index.matches(r.token_ids)[: self.candidates]:
                 m = index.depth(node)
                 tree = index.grow(node, r.max_tokens, branch=self.branch, min_prob=self.min_prob, scale=self.scale,
                                   max_path=max(1, min(r.max_tokens, math.ceil(self.spec_factor * m))))
-                tree, gain = _worth(tree, cost, self.draft_overhead)
+                tree, gain = _worth(tree, cost, overhead)
                 if gain > best_gain:
                     best, best_gain = tree, gain
         seq.draft, seq.at = best, len(r.token_ids)

@@ -59,18 +59,20 @@ class Row:
     parents: list[int] | None = None
 
 
-def group_rows(rows: list[Row], max_waste: float = 0.25, forward_tokens: int = 8) -> list[list[int]]:
+def group_rows(rows: list[Row], max_waste: float = 0.25, forward_tokens: int = 8,
+               pad_cost: float = 0.5) -> list[list[int]]:
     """Indices of `rows` split into forwards of similar length: a row joins the current forward
-    unless its padding would exceed `max_waste` of the work plus `forward_tokens`, what one more
-    forward costs in tokens (reading every weight again: a few tokens' worth on a CPU, far more on
-    a GPU). So a verify row of 2 tokens rides with decode rows of 1 instead of paying for a
-    forward of its own (measured on SmolLM2, 1 thread, batch 4: 0.22 s a step split, 0.16 s plain)."""
+    unless its padding, at `pad_cost` of a real token (the model's layers skip padded tokens;
+    only attention runs over them), would exceed `max_waste` of the work plus `forward_tokens`,
+    what one more forward costs in tokens (reading every weight again: a few tokens' worth on a
+    CPU, far more on a GPU). So verify rows of a few tokens ride with decode rows of 1 instead of
+    paying for a forward of their own."""
     groups: list[list[int]] = []
     cur: list[int] = []
     work = 0
     for i in sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids)):
         n = len(rows[i].token_ids)
-        if cur and (len(cur) + 1) * n > (1 + max_waste) * (work + n) + forward_tokens:
+        if cur and pad_cost * ((len(cur) + 1) * n - work - n) > max_waste * (work + n) + forward_tokens:
             groups.append(cur)
             cur, work = [], 0
         cur.append(i)

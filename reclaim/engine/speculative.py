@@ -151,46 +151,65 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 class StepCosts:
     """What a decode step costs, measured on the engine's own steps: seconds as a line in its
-    sequences B and verified draft tokens X, s = a + b * B + c * X, fit by least squares over
-    decayed sums (the last few hundred steps count). Until the fit is determined (steps with
-    different B and X seen), `token_cost` answers None and the caller keeps its prior."""
+    sequences B, verified draft tokens X and sequences that verified a draft V,
+    s = a + b * B + c * X + d * V, fit by least squares over decayed sums (the last few hundred
+    steps count). d is what verifying costs a sequence beyond its tokens (its tree mask, the
+    acceptance rule, rolling its cache back); while the steps seen do not tell it from c (every
+    draft as long), the line without it is fit, and while they do not determine that either,
+    `token_cost` answers None and the caller keeps its prior."""
 
     def __init__(self, decay: float = 0.99, min_steps: int = 8) -> None:
         self.decay, self.min_steps = decay, min_steps
-        self._xtx = torch.zeros(3, 3, dtype=torch.float64)
-        self._xty = torch.zeros(3, dtype=torch.float64)
+        self._xtx = torch.zeros(4, 4, dtype=torch.float64)
+        self._xty = torch.zeros(4, dtype=torch.float64)
         self.steps = 0
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: tuple[float, float, float, float] | None = None
         self._solved_at = -1  # steps seen when fit() last solved (determined or not)
 
-    def observe(self, batch: int, drafted: int, seconds: float) -> None:
-        """One decode-only step: `batch` sequences, `drafted` draft tokens verified with them."""
-        x = torch.tensor([1.0, batch, drafted], dtype=torch.float64)
+    def observe(self, batch: int, drafted: int, seconds: float, verified: int | None = None) -> None:
+        """One decode-only step: `batch` sequences, `drafted` draft tokens verified with them by
+        `verified` of the sequences (default: all of them if any token was drafted)."""
+        verified = (batch if drafted else 0) if verified is None else verified
+        x = torch.tensor([1.0, batch, drafted, verified], dtype=torch.float64)
         self._xtx = self.decay * self._xtx + torch.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
         self.steps += 1
 
-    def fit(self) -> tuple[float, float, float] | None:
-        """(a, b, c) in seconds, or None while the steps seen do not determine them (solved once
-        per new step: every speculating sequence asks each step)."""
+    def fit(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, d) in seconds (d = 0 where the steps seen do not tell it apart), or None
+        while they do not determine a, b and c (solved once per new step: every speculating
+        sequence asks each step)."""
         if self._solved_at != self.steps and self.steps >= self.min_steps:
             self._solved_at, self._fit = self.steps, None
-            scale = self._xtx.diagonal().sqrt().clamp_min(1e-12)
-            m = self._xtx / torch.outer(scale, scale)  # unit diagonal: a fair condition number
-            if torch.linalg.cond(m) < 1e6:
-                a, b, c = (torch.linalg.solve(m, self._xty / scale) / scale).tolist()
-                self._fit = (a, b, c)
+            for n in (4, 3):
+                xtx, xty = self._xtx[:n, :n], self._xty[:n]
+                scale = xtx.diagonal().sqrt().clamp_min(1e-12)
+                m = xtx / torch.outer(scale, scale)  # unit diagonal: a fair condition number
+                if torch.linalg.cond(m) < 1e6:
+                    coef = (torch.linalg.solve(m, xty / scale) / scale).tolist()
+                    self._fit = tuple(coef + [0.0] * (4 - n))
+                    break
         return self._fit
 
-    def token_cost(self, batch: int) -> float | None:
-        """One more draft token of one of `batch` sequences, in plain steps of that sequence
-        (its 1/batch share of a plain step): c * batch / (a + b * batch); None if unknown."""
+    def _share(self, batch: int, seconds: float) -> float | None:
+        """`seconds` in plain steps of one of `batch` sequences (its 1/batch share of a plain
+        step): seconds * batch / (a + b * batch); None if unknown."""
         fit = self.fit()
         if fit is None:
             return None
-        a, b, c = fit
-        plain = a + b * batch
-        return max(c, 0.0) * batch / plain if plain > 0 else None
+        plain = fit[0] + fit[1] * batch
+        return max(seconds, 0.0) * batch / plain if plain > 0 else None
+
+    def token_cost(self, batch: int) -> float | None:
+        """One more draft token of one of `batch` sequences, in plain steps of that sequence."""
+        fit = self.fit()
+        return None if fit is None else self._share(batch, fit[2])
+
+    def verify_cost(self, batch: int) -> float | None:
+        """Verifying a draft at all, beyond its tokens, for one of `batch` sequences, in plain
+        steps of that sequence."""
+        fit = self.fit()
+        return None if fit is None else self._share(batch, fit[3])
 
 
 class SpecGate:
@@ -232,8 +251,8 @@ class SpecGate:
 class DepthController:
     """Each running request's draft depth from its own acceptance: the k in 0..max_depth that
     maximises expected tokens per step cost, E(k) / (1 + overhead + k * token_cost) (k = 0:
-    plain decoding, cost 1). token_cost is measured (`costs`, a StepCosts the engine feeds)
-    at the batch size the step runs at, the prior until measured: verifying a token costs more
+    plain decoding, cost 1). token_cost and overhead are measured (`costs`, a StepCosts the
+    engine feeds) at the batch size the step runs at, the priors until measured: verifying costs more
     of a step as the batch grows, so depths shrink with it. The acceptance estimate counts
     accepted tokens and first rejections (the geometric model's maximum likelihood), decayed so
     it follows the text, with half a prior acceptance and half a prior rejection. A request
@@ -255,12 +274,17 @@ class DepthController:
         measured = self.costs.token_cost(batch) if self.costs is not None else None
         return self.token_cost if measured is None else measured
 
+    def overhead_per_verify(self, batch: int = 1) -> float:
+        """Verifying a draft at all, in plain steps at `batch` sequences: measured, else the prior."""
+        measured = self.costs.verify_cost(batch) if self.costs is not None else None
+        return self.overhead if measured is None else measured
+
     def best_depth(self, alpha: float, batch: int = 1) -> int:
         """The depth with the most expected tokens per unit of cost (0 when none beats plain)."""
-        per_token = self.cost_per_token(batch)
+        per_token, overhead = self.cost_per_token(batch), self.overhead_per_verify(batch)
 
         def rate(k: int) -> float:
-            return expected_tokens(alpha, k) / (1 + (self.overhead + k * per_token if k else 0))
+            return expected_tokens(alpha, k) / (1 + (overhead + k * per_token if k else 0))
         return max(range(self.max_depth + 1), key=lambda k: (rate(k), -k))
 
     def depth(self, request_id: str, batch: int = 1) -> int:
@@ -297,6 +321,7 @@ class DraftRequest:
     generator: torch.Generator | None = None
     num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt
     token_cost: float = 0.05  # one more draft token's cost at this step's batch, in plain decode steps
+    overhead: float = 0.05  # verifying a draft at all (beyond its tokens) at this step's batch, likewise
 
 
 @dataclass

@@ -256,11 +256,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: AttentionCache | None):
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.nh, self.hd)
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd)
+    def forward(self, x, cos, sin, cache: AttentionCache | None, packing: Packing | None = None):
+        """x [B, T, H], or [N, H] with `packing`: a ragged batch's real tokens only (the
+        projections skip the padding; attention runs on the padded [B, T])."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if packing is not None:
+            q, k, v = packing.pad(q), packing.pad(k), packing.pad(v)
+        b, t, _ = q.shape
+        q, k, v = q.view(b, t, self.nh, self.hd), k.view(b, t, self.nkv, self.hd), v.view(b, t, self.nkv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -273,7 +276,8 @@ class Attention(nn.Module):
         # enable_gqa lets each K/V head serve its group of query heads without copying it.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
                                            enable_gqa=self.nkv != self.nh)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+        o = o.transpose(1, 2).reshape(b, t, self.nh * self.hd)
+        return self.o_proj(o if packing is None else packing.pack(o))
 
 
 class MLP(nn.Module):
@@ -296,9 +300,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache, packing: Packing | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, packing)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Packing(NamedTuple):
+    """A ragged batch's real tokens: `index` [N] of the B*T padded positions. Every layer but
+    attention runs on the N real tokens (a verify row of 8 beside decode rows of 1 costs 8 + 1
+    tokens, not 16); attention pads them back."""
+
+    index: torch.Tensor
+    b: int
+    t: int
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...]"""
+        return x.reshape(self.b * self.t, *x.shape[2:]).index_select(0, self.index)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...], zeros at the padding."""
+        out = x.new_zeros(self.b * self.t, *x.shape[1:]).index_copy_(0, self.index, x)
+        return out.view(self.b, self.t, *x.shape[1:])
 
 
 class Backbone(nn.Module):
@@ -357,14 +380,18 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        x = self.model.embed_tokens(input_ids)
+        real = getattr(cache, "src_idx", None)  # a paged view of ragged rows: its real tokens
+        packing = None if real is None else Packing(real, b, t)
+        x = self.model.embed_tokens(input_ids if packing is None else packing.pack(input_ids))
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         taps = {} if aux_layers is None else check_aux_layers(aux_layers, len(self.model.layers))
         for i, layer in enumerate(self.model.layers):
             if i in taps:
                 taps[i] = x
-            x = layer(x, cos, sin, cache)
+            x = layer(x, cos, sin, cache, packing)
         hidden = self.model.norm(x)
+        if packing is not None:
+            hidden, taps = packing.pad(hidden), {i: packing.pad(h) for i, h in taps.items()}
         logits = None
         if compute_logits:
             h = hidden

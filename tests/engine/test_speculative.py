@@ -277,25 +277,39 @@ def test_depth_controller_picks_the_depth_with_most_tokens_per_cost():
 
 
 def test_step_costs_fit_the_engines_steps_and_shrink_depths_as_the_batch_grows():
-    """Steps timed on a known line s = a + b*B + c*X are fit back exactly; nothing is claimed
-    before steps with different B and X determine the line; the measured cost of a draft token
-    grows with the batch (a plain step's fixed part is shared by more sequences), so the
-    controller drafts deep at batch 1 and stops at batch 16 for the same acceptance."""
+    """Steps timed on a known line s = a + b*B + c*X + d*V are fit back exactly; nothing is
+    claimed before steps with different B and X determine the line; while every draft has the
+    same length (X = k*V) the per-verify part cannot be told apart and the line without it is
+    fit; the measured cost of a draft token grows with the batch (a plain step's fixed part is
+    shared by more sequences), so the controller drafts deep at batch 1 and stops at batch 16
+    for the same acceptance, and a large per-verify cost stops it drafting at all."""
     from reclaim.engine.speculative import DepthController, StepCosts
 
-    a, b, c = 0.02, 0.004, 0.003
+    a, b, c, d = 0.02, 0.004, 0.003, 0.002
     costs = StepCosts(min_steps=4)
     for _ in range(10):  # plain steps at one batch size: B and X never vary
         costs.observe(1, 0, a + b)
-    assert costs.token_cost(1) is None
-    for batch, drafted in [(1, 4), (1, 2), (4, 16), (4, 0), (16, 0), (16, 8), (2, 3)]:
-        costs.observe(batch, drafted, a + b * batch + c * drafted)
-    assert costs.fit() == pytest.approx((a, b, c), rel=1e-6)
+    assert costs.token_cost(1) is None and costs.verify_cost(1) is None
+    for batch, k in [(1, 4), (4, 4), (16, 4), (2, 4), (8, 4)]:  # every sequence drafts 4 tokens
+        costs.observe(batch, k * batch, a + b * batch + (c * k + d) * batch, verified=batch)
+    fit = costs.fit()
+    assert fit[:2] == pytest.approx((a, b), rel=1e-6) and fit[3] == 0.0
+    assert fit[2] == pytest.approx(c + d / 4, rel=1e-6)  # the per-verify part folded into the token's
+    for batch, drafted, verified in [(1, 2, 1), (4, 16, 2), (4, 0, 0), (16, 8, 8), (2, 3, 1)]:
+        costs.observe(batch, drafted, a + b * batch + c * drafted + d * verified, verified)
+    assert costs.fit() == pytest.approx((a, b, c, d), rel=1e-6)
     assert costs.token_cost(1) == pytest.approx(c / (a + b))
     assert costs.token_cost(16) == pytest.approx(16 * c / (a + 16 * b))
+    assert costs.verify_cost(4) == pytest.approx(4 * d / (a + 4 * b))
     dc = DepthController(8, overhead=0.0, token_cost=0.05, costs=costs)
     assert dc.best_depth(0.5, batch=1) == 2 and dc.best_depth(0.5, batch=16) == 0
+    assert dc.overhead_per_verify(1) == pytest.approx(d / (a + b))
     assert DepthController(8, 0.0, 0.05).cost_per_token(16) == 0.05  # no measurements: the prior
+    assert DepthController(8, 0.07, 0.05).overhead_per_verify(16) == 0.07
+    heavy = StepCosts(min_steps=4)
+    for batch, drafted, verified in [(1, 0, 0), (2, 0, 0), (1, 2, 1), (4, 16, 2), (4, 4, 4), (16, 8, 8), (2, 3, 1)]:
+        heavy.observe(batch, drafted, a + b * batch + c * drafted + 0.05 * verified, verified)
+    assert DepthController(8, 0.0, 0.05, costs=heavy).best_depth(0.7, batch=1) == 0
 
 
 def test_spec_gate_keeps_speculation_only_where_it_yields_more_tokens_per_second():
