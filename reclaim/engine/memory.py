@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from reclaim.engine.kv_cache import GIB, KVPool, plan_kv_blocks
-from reclaim.models.llama import LlamaConfig
+from reclaim.models.llama_config import LlamaConfig
 from reclaim.models.loading import IGNORED_KEY, SafetensorsSource
 
 

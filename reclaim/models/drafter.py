@@ -29,7 +29,8 @@ from torch import nn
 
 from reclaim.models.cache import AttentionCache
 from reclaim.models.kernels.linear import Linear
-from reclaim.models.llama import DecoderLayer, LlamaConfig, rope_inv_freq
+from reclaim.models.llama import DecoderLayer, rope_inv_freq
+from reclaim.models.llama_config import LlamaConfig
 
 WEIGHTS_NAME = "model.safetensors"
 # EAGLE-3's architectures names (vLLM's EAGLEConfig and registry take both; models/eagle3.py).
@@ -97,7 +98,7 @@ def new_drafter(target: nn.Module) -> EagleDrafter:
 
 def save_drafter(drafter: EagleDrafter, path: str | os.PathLike) -> Path:
     """Write the EAGLE layout (config.json + model.safetensors) atomically; returns the path."""
-    from reclaim.models.loading import atomic_dir
+    from reclaim.storage import atomic_dir
 
     def write(out: Path) -> None:
         cfg = drafter.config.to_hf()

@@ -34,7 +34,8 @@ from torch import nn
 from reclaim.models.cache import AttentionCache
 from reclaim.models.drafter import EAGLE3_ARCHITECTURES, WEIGHTS_NAME, check_draft_ids, drafter_layout
 from reclaim.models.kernels.linear import Linear
-from reclaim.models.llama import MLP, Attention, LlamaConfig, check_aux_layers, rope_inv_freq
+from reclaim.models.llama import MLP, Attention, check_aux_layers, rope_inv_freq
+from reclaim.models.llama_config import LlamaConfig
 from reclaim.models.norm import RMSNorm
 
 ARCHITECTURE = EAGLE3_ARCHITECTURES[0]
@@ -148,7 +149,7 @@ def vocab_maps(ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
 
 def save_eagle3(drafter: Eagle3Drafter, path: str | os.PathLike) -> Path:
     """Write the EAGLE-3 layout (config.json + model.safetensors) atomically; returns the path."""
-    from reclaim.models.loading import atomic_dir
+    from reclaim.storage import atomic_dir
 
     def write(out: Path) -> None:
         cfg = drafter.config.to_hf()

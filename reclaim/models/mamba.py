@@ -398,6 +398,6 @@ def write_mamba(model: MambaForCausalLM, path: Path, layout: str = "hf") -> None
 
 def save_mamba(model: MambaForCausalLM, path: str | os.PathLike, *, layout: str = "hf") -> Path:
     """Write `model` atomically as an HF directory (layout='hf') or a mamba_ssm one ('mamba_ssm')."""
-    from reclaim.models.loading import atomic_dir
+    from reclaim.storage import atomic_dir
 
     return atomic_dir(Path(path), lambda tmp: write_mamba(model, tmp, layout))

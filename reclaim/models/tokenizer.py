@@ -22,23 +22,21 @@ def has_tokenizer(path: os.PathLike | str) -> bool:
     return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
 
 
-def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
+def load_tokenizer(path: str | os.PathLike) -> Any:
     """transformers' AutoTokenizer (with its chat template) from a local directory, offline.
 
-    None or 'default' is the bundled default model's tokenizer; any other directory needs
-    tokenizer files only (a model's, or a tokenizer saved on its own).
+    The directory needs tokenizer files only (a model's, or a tokenizer saved on its own); for the
+    bundled default model's pass `reclaim.models.loading.default_model_dir()`.
     """
     from pathlib import Path
 
-    from reclaim.models.loading import DEFAULT_NAMES, resolve_model_dir
-
-    if name_or_path in DEFAULT_NAMES:
-        path = resolve_model_dir(name_or_path)
-    else:
-        path = Path(name_or_path).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist or is not a "
-                                    "directory; pass a local HF model or tokenizer directory")
+    if path is None or path == "default":
+        raise ValueError(f"load_tokenizer takes a directory, not {path!r}; for the default model's tokenizer "
+                         "pass reclaim.models.loading.default_model_dir(), or use load_model")
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist or is not a "
+                                "directory; pass a local HF model or tokenizer directory")
     if not has_tokenizer(path):
         raise FileNotFoundError(f"model directory {str(path)!r} has no tokenizer files {list(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reclaim.models.loading import parse_size
 from reclaim.online.recorder import PromptRecord
+from reclaim.storage import parse_size
 
 GONE_MEMORY = 100_000  # how many dropped ids are remembered, to tell evicted / stale from missing
 

@@ -31,12 +31,12 @@ from typing import Callable, Sequence
 import torch
 
 from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints
-from reclaim.models.loading import parse_size
 from reclaim.online.embedding_grad import RowGradEmbedding
 from reclaim.online.feedback import Feedback, FeedbackLog
 from reclaim.online.recorder import PromptRecord, record_prompt, recompute_loss, reuse_loss
 from reclaim.online.store import RecordInfo, RecordStore
 from reclaim.optim import adamw
+from reclaim.storage import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -413,8 +413,9 @@ class OnlineTrainer:
         """Write checkpoint-{step}/ (HF model dir, optimizer, trainer_state.json) atomically."""
         from safetensors.torch import save_file
 
-        from reclaim.models.loading import MAX_SHARD_SIZE, atomic_dir, write_weights
+        from reclaim.models.loading import MAX_SHARD_SIZE, write_weights
         from reclaim.online.lora import adapter_state_dict, merged_state_dict
+        from reclaim.storage import atomic_dir
 
         def write(tmp: Path) -> None:
             cfg = self.model.config

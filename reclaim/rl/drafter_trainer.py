@@ -628,7 +628,7 @@ def save_checkpoint(out: Path, step: int, drafter: EagleDrafter, optimizer, sche
                     state: dict[str, Any], save: Callable[[Any, Path], Path] = save_drafter) -> Path:
     """checkpoint-{step}/: the drafter in its layout (`save`: EAGLE's by default), optimizer,
     scheduler and trainer_state.json, written atomically."""
-    from reclaim.models.loading import atomic_dir
+    from reclaim.storage import atomic_dir
 
     def write(tmp: Path) -> None:
         save(drafter, tmp)  # first, while tmp is still empty (saving replaces it)
@@ -875,7 +875,8 @@ def default_drafter_dir(log: Callable[[str], None] = print, progress: bool = Tru
     import tempfile
 
     from reclaim.config import load_config
-    from reclaim.models.loading import build_once, default_model_dir
+    from reclaim.models.loading import default_model_dir
+    from reclaim.storage import build_once
 
     model_dir = default_model_dir()
     where = default_drafter_path()

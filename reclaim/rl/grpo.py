@@ -661,7 +661,8 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any
     mid-save leaves the previous checkpoint the latest."""
     import torch.distributed.checkpoint as dcp
 
-    from reclaim.models.loading import atomic_dir, save_model
+    from reclaim.models.loading import save_model
+    from reclaim.storage import atomic_dir
 
     world = world or World()
     trainer = {"trainer": TrainerState(model, optimizer, scheduler)}

@@ -200,8 +200,8 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
 
     moved: files written elsewhere (other ranks' optimizer states) to move in, by their name there.
     """
-    from reclaim.models.loading import atomic_dir
     from reclaim.models.mamba import write_mamba
+    from reclaim.storage import atomic_dir
 
     def write(tmp: Path) -> None:
         write_mamba(model, tmp)
@@ -342,6 +342,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     from tqdm import tqdm
 
     from reclaim.data.corpus import tokenize_corpus, window_batch
+    from reclaim.models.loading import DEFAULT_NAMES, default_model_dir
     from reclaim.models.tokenizer import load_tokenizer
     from reclaim.ssm import parallel
 
@@ -350,7 +351,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = None
     if tokens is None:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(default_model_dir() if cfg.tokenizer in DEFAULT_NAMES else cfg.tokenizer)
         tokens = tokenize_corpus(cfg.corpus, tokenizer)
         vocab = len(tokenizer)
     else:

@@ -13,17 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from reclaim.models.hf import hf_logits, load_hf_model
-from reclaim.models.loading import (
-    INDEX_NAME,
-    WEIGHTS_NAME,
-    build_once,
-    default_gguf,
-    load_checkpoint,
-    load_model,
-    parse_size,
-    save_model,
-)
+from reclaim.models.loading import INDEX_NAME, WEIGHTS_NAME, default_gguf, load_checkpoint, load_model, save_model
 from reclaim.paths import cache_root
+from reclaim.storage import build_once, parse_size
 
 
 def _logits(model, ids):

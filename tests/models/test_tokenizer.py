@@ -129,3 +129,15 @@ def test_split_special_tokens_keeps_typed_control_tokens_as_text(request, name, 
     assert encode_chat(tok, plain, split_special_tokens=True) == encode_chat(tok, plain)
     assert server_ids(tok, typed, split_special_tokens=True) == split
     assert server_ids(tok, typed) == encode_chat(tok, typed)
+
+
+@pytest.mark.parametrize("name", [None, "default"])
+def test_load_tokenizer_takes_a_directory_and_says_how_to_get_the_default(name, tmp_path):
+    from reclaim.models.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match=r"takes a directory.*default_model_dir\(\)"):
+        load_tokenizer(name)
+    with pytest.raises(FileNotFoundError, match="does not exist or is not a directory"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        load_tokenizer(tmp_path)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reclaim.paths import cache_root
+from reclaim.storage import build_once
 
 SOURCE = Path(__file__).with_name("small_linear.c")
 # Rows up to which the kernel beats MKL and oneDNN (SmolLM2's shapes, 1 thread: its 30 layers'
@@ -74,8 +75,6 @@ def _load() -> ctypes.CDLL | None:
     if sys.platform != "linux" or shutil.which("cc") is None:
         _why_not = f"needs Linux and a C compiler ('cc'); platform {sys.platform!r}, cc {shutil.which('cc')!r}"
         return None
-    from reclaim.models.loading import build_once
-
     try:
         target = build_once(cache_root() / "kernels" / f"small_linear-{_cpu_key()}", _compile)
         # torch has loaded its libgomp.so.1, so the kernel shares torch's OpenMP threads.
