@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow docs bench clean
 
 # Two set-ups: the demo needs reclaim and the model only; the tests add the `dev` extra
 # (TRL, litellm, langchain-openai as oracles and clients). pip installs the CPU torch wheel (uv
@@ -35,6 +35,11 @@ test: $(DEV_STAMP)
 
 test-slow: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The docs site (mkdocs.yml) into site/, strictly: a broken link or anchor, or a nav entry without
+# its page, fails the build. A few seconds; CI runs it after `make test`.
+docs: $(DEV_STAMP)
+	$(BIN)/mkdocs build --strict --quiet
 
 clean:
 	rm -rf $(VENV) build *.egg-info
