@@ -191,25 +191,23 @@ class StepCosts:
                     break
         return self._fit
 
-    def _share(self, batch: int, seconds: float) -> float | None:
-        """`seconds` in plain steps of one of `batch` sequences (its 1/batch share of a plain
-        step): seconds * batch / (a + b * batch); None if unknown."""
+    def _share(self, batch: int, coef: int) -> float | None:
+        """Fit coefficient `coef` (seconds) in plain steps of one of `batch` sequences (its
+        1/batch share of a plain step): seconds * batch / (a + b * batch); None if unknown."""
         fit = self.fit()
         if fit is None:
             return None
         plain = fit[0] + fit[1] * batch
-        return max(seconds, 0.0) * batch / plain if plain > 0 else None
+        return max(fit[coef], 0.0) * batch / plain if plain > 0 else None
 
     def token_cost(self, batch: int) -> float | None:
         """One more draft token of one of `batch` sequences, in plain steps of that sequence."""
-        fit = self.fit()
-        return None if fit is None else self._share(batch, fit[2])
+        return self._share(batch, 2)
 
     def verify_cost(self, batch: int) -> float | None:
         """Verifying a draft at all, beyond its tokens, for one of `batch` sequences, in plain
         steps of that sequence."""
-        fit = self.fit()
-        return None if fit is None else self._share(batch, fit[3])
+        return self._share(batch, 3)
 
 
 class SpecGate:
