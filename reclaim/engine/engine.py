@@ -30,10 +30,9 @@ from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
 from reclaim.engine.drafters import HYBRID_MODES, make_drafter
-from reclaim.engine.speculative import (
-    DepthController, Draft, Drafter, DraftRequest, SpeculativeConfig, SpecGate, StepCosts, accept, accept_keyed,
-    accept_tree, accept_tree_keyed,
-)
+from reclaim.engine.speculative import Draft, Drafter, DraftRequest, SpeculativeConfig
+from reclaim.engine.spec_policy import DepthController, SpecGate, StepCosts
+from reclaim.engine.rejection import accept, accept_keyed, accept_tree, accept_tree_keyed
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger("reclaim.engine")

@@ -16,7 +16,8 @@ from reclaim.engine.eagle3 import Eagle3Proposer
 from reclaim.engine.kv_cache import BlockManager
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.runner import ModelRunner, Row
-from reclaim.engine.speculative import Draft, DraftRequest, accept, accept_tree, parse_speculative
+from reclaim.engine.speculative import Draft, DraftRequest, parse_speculative
+from reclaim.engine.rejection import accept, accept_tree
 from reclaim.models.eagle3 import new_eagle3, save_eagle3
 from reclaim.rl.drafter_trainer import DrafterBuffer, collect, train_drafter
 from reclaim.rl.eagle3_trainer import eagle3_acceptance, eagle3_loss, with_aux

@@ -10,7 +10,8 @@ import torch
 from engine_helpers import TINY, make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.speculative import Draft, DraftRequest, NgramDrafter, SpeculativeConfig, accept
+from reclaim.engine.speculative import Draft, DraftRequest, NgramDrafter, SpeculativeConfig
+from reclaim.engine.rejection import accept
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64, prompt_lookup_max=3)
 
@@ -237,7 +238,7 @@ def _wrong_tree_accept(logits, draft, params, generator=None, fallback=None):
 @pytest.mark.parametrize("rule", ["right", "wrong"])
 def test_tree_first_token_distribution_matches_target(rule):
     from reclaim.engine.sampling import probs
-    from reclaim.engine.speculative import accept_tree
+    from reclaim.engine.rejection import accept_tree
 
     params = SamplingParams(temperature=0.8, top_k=5)
     g = torch.Generator().manual_seed(0)
@@ -258,7 +259,7 @@ def test_depth_controller_picks_the_depth_with_most_tokens_per_cost():
     """The chosen depth maximises E(k) / cost(k) (checked against every depth); a drafter that
     always misses ends in plain decoding with a one-token probe every probe_every steps; one
     that always hits keeps the deepest draft."""
-    from reclaim.engine.speculative import DepthController, expected_tokens
+    from reclaim.engine.spec_policy import DepthController, expected_tokens
 
     dc = DepthController(8, overhead=0.05, token_cost=0.05, probe_every=4)
     for alpha in (0.0, 0.05, 0.2, 0.5, 0.8, 0.95, 1.0):
@@ -283,7 +284,7 @@ def test_step_costs_fit_the_engines_steps_and_shrink_depths_as_the_batch_grows()
     fit; the measured cost of a draft token grows with the batch (a plain step's fixed part is
     shared by more sequences), so the controller drafts deep at batch 1 and stops at batch 16
     for the same acceptance, and a large per-verify cost stops it drafting at all."""
-    from reclaim.engine.speculative import DepthController, StepCosts
+    from reclaim.engine.spec_policy import DepthController, StepCosts
 
     a, b, c, d = 0.02, 0.004, 0.003, 0.002
     costs = StepCosts(min_steps=4)
@@ -316,7 +317,7 @@ def test_spec_gate_keeps_speculation_only_where_it_yields_more_tokens_per_second
     """At a batch size where speculative steps commit fewer tokens per second than plain ones
     the gate turns speculation off, but for one probe step in probe_every; where they commit
     more it keeps it on; batch sizes are judged apart."""
-    from reclaim.engine.speculative import SpecGate
+    from reclaim.engine.spec_policy import SpecGate
 
     gate = SpecGate(("plain", "spec"), probe_every=4)
     assert gate.choose(4) == "spec"  # nothing measured: speculate
@@ -335,7 +336,7 @@ def test_spec_gate_keeps_speculation_only_where_it_yields_more_tokens_per_second
 def test_spec_gate_over_several_drafters_runs_the_best_and_probes_the_rest_in_turn():
     """With a hybrid drafter's arms the gate tries every speculative arm first, then runs the
     one with the most tokens per second, each other arm (plain too) probed in turn."""
-    from reclaim.engine.speculative import SpecGate
+    from reclaim.engine.spec_policy import SpecGate
 
     gate = SpecGate(("plain", "suffix", "eagle", "hybrid"), probe_every=4)
     rates = {"plain": 10.0, "suffix": 30.0, "eagle": 15.0, "hybrid": 25.0}

@@ -326,7 +326,7 @@ def test_history_drafted_rollouts_give_the_same_run(tiny_model_dir, tmp_path, on
     steps over two prompts, so the third sees its prompt's first) and the hybrid tree change
     only the rollout time: completions, rewards, losses and weights equal plain rollouts'. (The
     gate is held on speculating: on a tiny model plain steps are cheaper and it would stop.)"""
-    from reclaim.engine.speculative import SpecGate
+    from reclaim.engine.spec_policy import SpecGate
     from reclaim.models.drafter import new_drafter, save_drafter
     from reclaim.models.loading import load_model
 
