@@ -27,12 +27,11 @@ from reclaim.engine.detokenize import IncrementalDetokenizer
 from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
 from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams
-from reclaim.engine.runner import ModelRunner, Row
-from reclaim.engine.sampling import keyed_uniform, make_generator, process_logits, sample_each, token_logprobs
+from reclaim.engine.runner import ModelRunner, RunnerOutput
+from reclaim.engine.sampling import make_generator
 from reclaim.engine.drafters import HYBRID_MODES, make_drafter
 from reclaim.engine.speculative import Draft, Drafter, DraftRequest, SpeculativeConfig
-from reclaim.engine.spec_policy import DepthController, SpecGate, StepCosts
-from reclaim.engine.rejection import accept, accept_keyed, accept_tree, accept_tree_keyed
+from reclaim.engine.spec_policy import SpecPolicy
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger("reclaim.engine")
@@ -130,15 +129,17 @@ class Engine:
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "draft_calls": 0,
                            "plain_decodes": 0}
-        self.step_costs = StepCosts()  # decode steps' seconds by batch and draft tokens
-        self._gates: dict[tuple[str, ...], SpecGate] = {}
-        self.spec_gate = self._gate(speculative)  # which arm pays, per batch size (dynamic depth)
-        self.depths = self._depth_controller(speculative, self.step_costs)
+        self.policy = SpecPolicy(self.spec_stats)  # whether, with what and how deep to draft
+        self.policy.configure(speculative, self._arms(speculative))
+        self.runner.aux_layers = getattr(self.drafter, "aux_layers", None)  # EAGLE-3 drafts from these layers' states
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
         self.num_request_errors = 0
         self._requests: dict[str, RequestState] = {}
+        # what the runner reads to choose tokens: the requests, stop tokens and fallback generator
+        self.runner.requests, self.runner.eos_token_ids, self.runner.generator = \
+            self._requests, self.eos_token_ids, self.generator
         self._inbox: list[tuple[str, Any]] = []  # ("add", RequestState) | ("abort", request_id)
         self._inbox_lock = threading.Lock()  # add/abort may come from another thread
         self._step_lock = threading.RLock()  # one step or weight swap at a time
@@ -243,52 +244,35 @@ class Engine:
     # ---- stepping ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every request that changed."""
+        """One step, as vLLM v1's: schedule -> propose -> execute -> commit. Returns an output for
+        every request that changed."""
         with self._step_lock:
             outputs = self._drain_inbox()
-            spec = self.speculative
-            batch = len(self.scheduler.running)
-            speculate = spec is not None and batch <= spec.max_batch
-            arm = spec.method if speculate else "plain"
-            # dynamic: the arm that pays at this batch size (the history drafter decides per draft
-            # itself, from its measured acceptance and the measured cost of a draft token)
-            if speculate and self.depths is not None and spec.method != "suffix":
-                arm = self.spec_gate.choose(batch)
-                speculate = arm != "plain"
-                if not speculate:
-                    self.spec_stats["plain_decodes"] += batch
-                elif arm in HYBRID_MODES and hasattr(self.drafter, "mode"):
-                    self.drafter.mode = arm
-            sched = self.scheduler.schedule(self._lookahead if speculate else 0)
-            self.last_schedule = sched
-            self.num_preemptions += len(sched.preempted)
-            share = getattr(self.drafter, "share", None)
-            for dst, src, n in sched.shared if share is not None else []:
-                share(src, dst, n)
+            arm = self.policy.arm(len(self.scheduler.running))  # 'plain' or what drafts this step
+            sched = self._schedule(arm)
             if not sched.chunks:
                 return outputs
-            t0, drafted, verified = time.perf_counter(), self.spec_stats["drafted"], self.spec_stats["verifies"]
-            executed = self._execute(sched.chunks)
-            if self.depths is not None and not any(c.is_prefill for c in sched.chunks):
-                # what decode-only steps cost and yield: the depths and the gate go by them
-                seconds, drafted = time.perf_counter() - t0, self.spec_stats["drafted"] - drafted
-                self.step_costs.observe(len(sched.chunks), drafted, seconds, self.spec_stats["verifies"] - verified)
-                committed = sum(len(t) for _, t, _ in executed if not isinstance(t, Exception))
-                self.spec_gate.update(len(sched.chunks), arm if drafted > 0 else "plain", committed, seconds)
-            for rid, tokens, lps in executed:
-                req = self._requests[rid]
-                if isinstance(tokens, Exception):
-                    outputs.append(self._fail(req, tokens))
-                    continue
-                try:
-                    out = commit(req, tokens, lps, self.weights_version, self.eos_token_ids, self.max_model_len)
-                except Exception as exc:  # noqa: BLE001 - its detokenizer or stop strings: it alone fails
-                    outputs.append(self._fail(req, exc))
-                    continue
-                if out.finished:
-                    self._release(req)
-                outputs.append(out)
-            return outputs
+            t0 = time.perf_counter()
+            drafts = self._propose(sched.chunks, arm)
+            result = self.runner.execute(sched.chunks, drafts, self._record(sched.chunks))
+            committed = self._commit(sched.chunks, result)
+            if not any(c.is_prefill for c in sched.chunks):  # what decode steps cost and yield
+                done = sum(len(t) for t in result.tokens.values() if not isinstance(t, Exception))
+                self.policy.observe_step(len(sched.chunks), arm, sum(v.drafted for v in result.accepted.values()),
+                                         len(result.accepted), done, time.perf_counter() - t0)
+            return outputs + committed
+
+    def _schedule(self, arm: str) -> SchedulerOutput:
+        """The scheduler's plan for this step (room left for drafts unless it decodes plainly);
+        its preemptions counted, prefixes it shared handed to the proposer's history."""
+        batch = len(self.scheduler.running)
+        lookahead = (lambda seq: self.policy.lookahead(seq.request_id, seq.params, batch)) if arm != "plain" else 0
+        sched = self.last_schedule = self.scheduler.schedule(lookahead)
+        self.num_preemptions += len(sched.preempted)
+        share = getattr(self.drafter, "share", None)
+        for dst, src, n in sched.shared if share is not None else []:
+            share(src, dst, n)
+        return sched
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._inbox_lock:
@@ -305,53 +289,18 @@ class Engine:
                 outputs.append(output(req, [], [] if req.logprobs is not None else None, self.weights_version))
         return outputs
 
-    def _gate(self, spec: SpeculativeConfig | None) -> SpecGate:
-        """The gate over plain and the method, or for a hybrid drafter each of its modes (one per
-        set of arms, kept across config changes: what it measured stays)."""
+    def _arms(self, spec: SpeculativeConfig | None) -> tuple[str, ...]:
+        """The gate's arms: plain and the method, or for a hybrid proposer each of its modes."""
         if spec is not None and spec.method == "hybrid" and hasattr(self.drafter, "mode"):
-            arms = ("plain", *HYBRID_MODES)
-        else:
-            arms = ("plain", spec.method if spec is not None else "spec")
-        if arms not in self._gates:
-            self._gates[arms] = SpecGate(arms)
-        return self._gates[arms]
-
-    @staticmethod
-    def _depth_controller(spec: SpeculativeConfig | None, costs: StepCosts) -> DepthController | None:
-        if spec is None or not spec.dynamic_depth:
-            return None
-        return DepthController(spec.num_speculative_tokens, spec.draft_overhead, spec.draft_token_cost,
-                               costs=costs)
-
-    def _lookahead(self, seq: Any) -> int:
-        """Draft tokens to make room for after this decode: the config's, or with dynamic depth
-        the request's own (a chain that deep; a tree whole or not at all; 0: decode plainly)."""
-        spec = self.speculative
-        if not self._can_speculate(seq.params):
-            return 0
-        if self.depths is None or spec.history:  # a history draft's size follows its own confidence
-            return spec.lookahead
-        k = self.depths.depth(seq.request_id, len(self.scheduler.running))
-        if k == 0:
-            self.spec_stats["plain_decodes"] += 1
-        return spec.lookahead if spec.tree and k else k
-
-    def _can_speculate(self, params: SamplingParams) -> bool:
-        """Requests whose logits are processed speculate in chains only (each draft position's
-        logits processed as if the draft tokens before it were committed), and a grammar must
-        be able to roll back the draft tokens it was advanced over."""
-        if not params.processes_logits:
-            return True
-        return not self.speculative.tree and (params.constraint is None
-                                                     or hasattr(params.constraint, "rollback"))
+            return ("plain", *HYBRID_MODES)
+        return ("plain", spec.method if spec is not None else "spec")
 
     def _release(self, req: RequestState) -> None:
         """Forget a finished request and free its blocks."""
         self.scheduler.remove(req.seq.request_id)
         del self._requests[req.seq.request_id]
         self._partial.discard(req.seq.request_id)
-        if self.depths is not None:
-            self.depths.release(req.seq.request_id)
+        self.policy.release(req.seq.request_id)
         if self.drafter is not None:
             self.drafter.finish(req.seq.request_id, req.seq.token_ids, req.seq.num_prompt_tokens)
             self.drafter.release(req.seq.request_id)
@@ -368,78 +317,43 @@ class Engine:
             return RequestOutput(req.seq.request_id, [], "", None, True, "error", self.weights_version,
                                  req.first_version or self.weights_version, error=req.error)
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> list[tuple[str, list[int] | Exception, list | None]]:
-        """Run the chunks' forwards (decodes with a draft verify it in the same forward) and choose
-        the tokens of each chunk that ends its sequence: (request id, tokens to commit or the
-        exception that failed that request alone, their logprobs or None)."""
-        drafts = self._drafts(chunks)
-        recorded = self._record(chunks)
-        rows = []
-        for c in chunks:
-            seq = self._requests[c.request_id].seq
-            draft = drafts.get(c.request_id, Draft())
-            rows.append(Row(c.request_id, c.start, seq.token_ids[c.start:c.start + c.num_tokens] + draft.tokens,
-                            None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]))
-        with torch.inference_mode():
-            run = [i for i, c in enumerate(chunks) if c.request_id not in recorded]
-            hidden: list[torch.Tensor] = [None] * len(chunks)
-            feats: list[torch.Tensor | None] = [None] * len(chunks)  # what the drafter observes
-            aux = getattr(self.drafter, "aux_layers", None)  # EAGLE-3: the states entering these layers
-            for i, (h, f) in zip(run, self.runner.run_features([rows[i] for i in run], aux) if run else []):
-                hidden[i], feats[i] = h, f
-            for i, c in enumerate(chunks):
-                if c.request_id in recorded:  # a recorded prefill has no aux states: EAGLE-3 does not draft it
-                    hidden[i] = recorded[c.request_id]
-                    feats[i] = hidden[i] if aux is None else None
-            if self.on_forward is not None:
-                self.on_forward([
-                    ForwardRecord(c.request_id, c.start, r.token_ids[: c.num_tokens], h[: c.num_tokens],
-                                  list(self.blocks.tables[c.request_id]), c.is_prefill, self.weights_version)
-                    for c, r, h in zip(chunks, rows, hidden)
-                ])
-            for c, r, f in zip(chunks, rows, feats):
-                if not c.sample and self.drafter is not None and c.request_id not in self._partial and f is not None:
-                    self.drafter.observe(c.request_id, c.start, r.token_ids, f)
-            for c, h in zip(chunks, hidden):
-                if c.is_prefill and self._requests[c.request_id].seq.params.prompt_logprobs is not None:
-                    self._prompt_logprobs(self._requests[c.request_id], c, h)
-            sampling = [i for i, c in enumerate(chunks) if c.sample]
-            if not sampling:
-                return []
-            # Logits where tokens are chosen: a chunk's last token, and every draft token after it.
-            spans = [(chunks[i].num_tokens - 1, len(rows[i].token_ids)) for i in sampling]
-            x = self.runner.logits(torch.cat([hidden[i][a:b] for i, (a, b) in zip(sampling, spans)]))
-            per_row = list(torch.split(x, [b - a for a, b in spans]))
-            reqs = [self._requests[chunks[i].request_id] for i in sampling]
-            plain = [j for j, i in enumerate(sampling) if chunks[i].request_id not in drafts]
-            chosen: list[list[int] | Exception] = [[] for _ in sampling]
-            rows_x = {}
-            for j in plain:
-                try:
-                    rows_x[j] = self._processed(reqs[j], per_row[j][0])
-                except Exception as exc:  # noqa: BLE001 - its constraint or processors: it alone fails
-                    chosen[j] = exc
-            plain = [j for j in plain if j in rows_x]
-            if plain:
-                got = sample_each(torch.stack([rows_x[j] for j in plain]), [reqs[j].seq.params for j in plain],
-                                  [self._randomness(reqs[j]) for j in plain], self.generator)
-                for j, t in zip(plain, got):
-                    chosen[j] = t if isinstance(t, Exception) else [t]
-            for j, i in enumerate(sampling):
-                if chunks[i].request_id in drafts:
-                    chosen[j] = self._verify(chunks[i], reqs[j], per_row[j], drafts[chunks[i].request_id], feats[i])
-                elif self.drafter is not None and not isinstance(chosen[j], Exception) \
-                        and chunks[i].request_id not in self._partial and feats[i] is not None:
-                    c = chunks[i]
-                    self.drafter.observe(c.request_id, c.start, rows[i].token_ids, feats[i])
-            out = []
-            for j, req in enumerate(reqs):
-                lps = None
-                if req.seq.params.logprobs is not None and not isinstance(chosen[j], Exception):
-                    n = len(chosen[j])
-                    lps = token_logprobs(per_row[j][:n], chosen[j], [req.seq.params.logprobs] * n)
-                out.append((req.seq.request_id, chosen[j], lps))
-        return out
+    def _commit(self, chunks: list[ScheduledChunk], result: RunnerOutput) -> list[RequestOutput]:
+        """Hand the step's forward to the hooks and the proposer, keep the verified drafts' cache,
+        and commit each request's tokens (one whose tokens failed, or whose commit fails, fails
+        alone)."""
+        if self.on_forward is not None:
+            self.on_forward([
+                ForwardRecord(c.request_id, c.start, self._requests[c.request_id].seq.token_ids[c.start:c.start + c.num_tokens],
+                              result.hidden[c.request_id], list(self.blocks.tables[c.request_id]), c.is_prefill,
+                              self.weights_version)
+                for c in chunks
+            ])
+        for rid, got in result.prompt_logprobs.items():
+            self._requests[rid].prompt_logprobs += got
+        for rid, start, token_ids, feats in result.observed:
+            if self.drafter is not None and rid not in self._partial:
+                self.drafter.observe(rid, start, token_ids, feats)
+        starts = {c.request_id: c.start for c in chunks}
+        for rid, v in result.accepted.items():  # the pending token and the accepted draft tokens are cached
+            self._requests[rid].seq.num_computed = starts[rid] + v.accepted + 1
+            for k, n in (("verifies", 1), ("drafted", v.drafted), ("accepted", v.accepted)):
+                self.spec_stats[k] += n
+            self.policy.verified(rid, v.depth, v.accepted)  # a chain's length, or a tree's depth
+        outputs = []
+        for rid, tokens in result.tokens.items():
+            req = self._requests[rid]
+            try:
+                if isinstance(tokens, Exception):
+                    raise tokens
+                out = commit(req, tokens, result.logprobs[rid], self.weights_version, self.eos_token_ids,
+                             self.max_model_len)
+            except Exception as exc:  # noqa: BLE001 - its sampling, detokenizer or stop strings: it alone fails
+                outputs.append(self._fail(req, exc))
+                continue
+            if out.finished:
+                self._release(req)
+            outputs.append(out)
+        return outputs
 
     def _record(self, chunks: list[ScheduledChunk]) -> dict[str, torch.Tensor]:
         """Run the recorder for recorded requests whose prefill starts now: the whole prompt at
@@ -477,75 +391,19 @@ class Engine:
             out[seq.request_id] = hidden.reshape(p, -1)
         return out
 
-    @staticmethod
-    def _randomness(req: RequestState):
-        """A seeded request draws its next token with the uniform keyed by (seed, position), so
-        its output is the same with or without speculation; others use their generator."""
-        seed = req.seq.params.seed
-        return req.generator if seed is None else keyed_uniform(seed, req.seq.num_tokens)
-
-    def _processed(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
-        """A row's logits after its logits processors and constraint (as is when it has none)."""
-        p = req.seq.params
-        if not p.processes_logits:
-            return logits
-        seq = req.seq
-        stop = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-        return process_logits(logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, stop)
-
-    def _prompt_logprobs(self, req: RequestState, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens this prefill chunk predicts (position j predicts j + 1)."""
-        seq, k = req.seq, req.seq.params.prompt_logprobs
-        have = 1 + len(req.prompt_logprobs)  # prompt tokens with a logprob (the first has none)
-        end = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)  # last predicting position + 1
-        for a in range(max(chunk.start, have - 1), end, 256):  # bounded logits memory
-            b = min(a + 256, end)
-            x = self.runner.logits(hidden[a - chunk.start: b - chunk.start])
-            req.prompt_logprobs += token_logprobs(x, seq.token_ids[a + 1: b + 1], [k] * (b - a))
-
-    def _processed_draft(self, req: RequestState, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
-        """A chain's verification logits [L + 1, V] processed position by position, as plain
-        decoding would process them had the draft tokens before each been committed (penalties,
-        min_tokens, bad words, the grammar advanced over them and rolled back after). The draft
-        ends before a token its position's processing forbids or one that completes the grammar
-        (the commit path stops the request there)."""
-        p, seq = req.seq.params, req.seq
-        stop = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-        prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
-        rows, advanced, n = [], 0, len(draft.tokens)
-        try:
-            for j in range(len(draft.tokens) + 1):
-                rows.append(process_logits(logits[j], p, prompt, output + draft.tokens[:j], stop))
-                if j == len(draft.tokens):
-                    break
-                d = draft.tokens[j]
-                if rows[-1][d] == float("-inf"):
-                    n = j
-                    break
-                if p.constraint is not None:
-                    p.constraint.accept(d)
-                    advanced += 1
-                    if p.constraint.finished():
-                        n = j
-                        break
-        finally:
-            if advanced:
-                p.constraint.rollback(advanced)
-        return torch.stack(rows[: n + 1]), draft.truncate(n)
-
-    def _drafts(self, chunks: list[ScheduledChunk]) -> dict[str, Draft]:
-        """Drafts for the decodes the scheduler left room for (empty drafts dropped)."""
+    def _propose(self, chunks: list[ScheduledChunk], arm: str) -> dict[str, Draft]:
+        """Drafts for the decodes the scheduler left room for (empty drafts dropped); a hybrid
+        proposer drafts in the mode the gate chose."""
         t0 = time.perf_counter()
         if self.speculative is None or not any(c.lookahead for c in chunks):
             return {}
-        if self.depths is not None:
-            cost, overhead = self.depths.cost_per_token(len(chunks)), self.depths.overhead_per_verify(len(chunks))
-        else:
-            cost, overhead = self.speculative.draft_token_cost, self.speculative.draft_overhead
+        if arm in HYBRID_MODES and hasattr(self.drafter, "mode") and self.policy.depths is not None:
+            self.drafter.mode = arm
+        cost, overhead = self.policy.draft_costs(len(chunks))
         asks = [DraftRequest(c.request_id, r.seq.token_ids, c.lookahead, r.seq.params, r.generator,
                              r.seq.num_prompt_tokens, cost, overhead)
                 for c in chunks if c.lookahead > 0
-                for r in [self._requests[c.request_id]] if self._can_speculate(r.seq.params)]
+                for r in [self._requests[c.request_id]] if self.policy.can_speculate(r.seq.params)]
         if not asks:
             return {}
         drafts = {}
@@ -555,39 +413,6 @@ class Engine:
                 drafts[ask.seq_id] = d.truncate(ask.max_tokens)
         self.spec_stats["draft_seconds"] += time.perf_counter() - t0
         return drafts
-
-    def _verify(self, chunk: ScheduledChunk, req: RequestState, logits: torch.Tensor, draft: Draft,
-                hidden: torch.Tensor) -> list[int] | Exception:
-        """Accept a prefix of the draft (lossless rule); roll the cache back over the rest. `hidden`:
-        the row's drafter features (final states, or EAGLE-3's aux states), observed where kept."""
-        try:
-            keyed = req.seq.params.seed is not None and not req.seq.params.greedy
-            position = req.seq.num_tokens  # of the first token this verification chooses
-            if req.seq.params.processes_logits:
-                logits, draft = self._processed_draft(req, logits, draft)
-            if draft.parents is None:
-                tokens = (accept_keyed(logits, draft, req.seq.params, position) if keyed else
-                          accept(logits, draft, req.seq.params, req.generator, self.generator))
-                path = list(range(len(tokens) - 1))
-            else:
-                tokens, path = (accept_tree_keyed(logits, draft, req.seq.params, position) if keyed else
-                                accept_tree(logits, draft, req.seq.params, req.generator, self.generator))
-                self.runner.move_kv(req.seq.request_id, [chunk.start + 1 + i for i in path],
-                                    [chunk.start + 1 + j for j in range(len(path))])
-        except Exception as exc:  # noqa: BLE001 - this request alone fails
-            return exc
-        kept = len(tokens)  # the pending token and len(tokens) - 1 accepted draft tokens are cached
-        req.seq.num_computed = chunk.start + kept
-        hidden = hidden[[0] + [1 + i for i in path]]
-        self.spec_stats["verifies"] += 1
-        self.spec_stats["drafted"] += len(draft.tokens)
-        self.spec_stats["accepted"] += kept - 1
-        if self.depths is not None:  # a chain's length, or a tree's depth, against what it kept
-            self.depths.update(req.seq.request_id, max(draft.depths(), default=0), kept - 1)
-        if self.drafter is not None:
-            self.drafter.observe(req.seq.request_id, chunk.start, req.seq.token_ids[chunk.start:] + tokens[:-1],
-                                 hidden)
-        return tokens
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits from final hidden states [..., H], as the model's lm_head computes them."""
@@ -623,8 +448,8 @@ class Engine:
             if config is not None and hasattr(self.drafter, "mode"):
                 self.drafter.mode = config.method if config.method in HYBRID_MODES else "hybrid"
             self.speculative = config
-            self.depths = self._depth_controller(config, self.step_costs)  # measured costs stay
-            self.spec_gate = self._gate(config)
+            self.policy.configure(config, self._arms(config))  # measured costs stay
+            self.runner.aux_layers = getattr(self.drafter, "aux_layers", None)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy new weights in between steps (the names of model.state_dict()); returns the new version.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.sampling import keyed_uniform, probs, sanitize
+from reclaim.engine.sampling import keyed_uniform, process_logits, probs, sanitize
 from reclaim.engine.speculative import Draft
 
 
@@ -149,3 +149,32 @@ def accept_tree(
         path.append(nxt)
         out.append(draft.tokens[nxt])
         node, row = nxt, nxt + 1
+
+
+def processed_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, prompt: list[int],
+                    output: list[int], stop: set[int]) -> tuple[torch.Tensor, Draft]:
+    """A chain's verification logits [L + 1, V] processed position by position, as plain
+    decoding would process them had the draft tokens before each been committed (penalties,
+    min_tokens, bad words, the grammar advanced over them and rolled back after). The draft
+    ends before a token its position's processing forbids or one that completes the grammar
+    (the commit path stops the request there)."""
+    rows, advanced, n = [], 0, len(draft.tokens)
+    try:
+        for j in range(len(draft.tokens) + 1):
+            rows.append(process_logits(logits[j], params, prompt, output + draft.tokens[:j], stop))
+            if j == len(draft.tokens):
+                break
+            d = draft.tokens[j]
+            if rows[-1][d] == float("-inf"):
+                n = j
+                break
+            if params.constraint is not None:
+                params.constraint.accept(d)
+                advanced += 1
+                if params.constraint.finished():
+                    n = j
+                    break
+    finally:
+        if advanced:
+            params.constraint.rollback(advanced)
+    return torch.stack(rows[: n + 1]), draft.truncate(n)

@@ -6,17 +6,28 @@ decoder over them together, similar-length rows sharing a forward, and returns t
 hidden states; `logits` applies the head only where the caller needs it. A drafter that declares
 `aux_layers` (EAGLE-3) gets the states entering those layers from the same forward
 (`run_features`).
+
+`execute` is one engine step's forward: the scheduled chunks and their drafts in, a
+`RunnerOutput` out (each request's tokens to commit, their logprobs, its hidden states and what
+the proposer observes). Plain rows are sampled together, drafted rows verified by the lossless
+rule (rejection.py); the engine commits what comes back.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from reclaim.engine.kv_cache import BlockManager, KVPool
+from reclaim.engine.output import RequestState
+from reclaim.engine.rejection import accept, accept_keyed, accept_tree, accept_tree_keyed, processed_chain
+from reclaim.engine.request import SamplingParams
+from reclaim.engine.sampling import keyed_uniform, process_logits, sample_each, token_logprobs
+from reclaim.engine.scheduler import ScheduledChunk
+from reclaim.engine.speculative import Draft
 from reclaim.models.kernels.linear import eligible, small_linear, torch_kernels
 
 HEAD_KERNELS = ("auto", "linear")
@@ -98,6 +109,13 @@ class ModelRunner:
         # head='linear' also keeps the layers on F.linear: transformers' kernels throughout.
         self._kernels = torch_kernels if head == "linear" else nullcontext
         self.sliding_window = getattr(cfg, "sliding_window", None)
+        # What `execute` reads, set by the engine: the requests by id, the stop tokens, the
+        # generator of requests without their own, and the layers a proposer drafts from
+        # (EAGLE-3; None: the final states).
+        self.requests: dict[str, RequestState] = {}
+        self.eos_token_ids: set[int] = set()
+        self.generator: torch.Generator | None = None
+        self.aux_layers: tuple[int, ...] | None = None
 
     def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of positions `src` of a sequence to positions `dst` (every layer): an
@@ -164,3 +182,155 @@ class ModelRunner:
         if head.bias is not None:
             out = out + head.bias
         return out.float()
+
+    # ---- one engine step: forward, then the tokens each sampling chunk commits ----
+
+    def execute(self, chunks: list[ScheduledChunk], drafts: dict[str, Draft],
+                recorded: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+        """Run the scheduled chunks' forwards (a decode with a draft verifies it in the same
+        forward) and choose the tokens each chunk that ends its sequence commits: sampled, or a
+        draft's accepted prefix and the token after it (lossless, rejection.py). `recorded`: final
+        hidden states [P, H] of prefills the recorder already ran (their K/V is cached). Reads
+        the requests in `self.requests`; changes nothing of theirs but a verified tree's K/V,
+        moved into place (the engine commits the output)."""
+        recorded = recorded or {}
+        out = RunnerOutput()
+        rows = []
+        for c in chunks:
+            seq = self.requests[c.request_id].seq
+            draft = drafts.get(c.request_id, Draft())
+            rows.append(Row(c.request_id, c.start, seq.token_ids[c.start:c.start + c.num_tokens] + draft.tokens,
+                            None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]))
+        with torch.inference_mode():
+            run = [i for i, c in enumerate(chunks) if c.request_id not in recorded]
+            hidden: list[torch.Tensor] = [None] * len(chunks)
+            feats: list[torch.Tensor | None] = [None] * len(chunks)  # what the proposer observes
+            for i, (h, f) in zip(run, self.run_features([rows[i] for i in run], self.aux_layers) if run else []):
+                hidden[i], feats[i] = h, f
+            for i, c in enumerate(chunks):
+                if c.request_id in recorded:  # a recorded prefill has no aux states: EAGLE-3 does not draft it
+                    hidden[i] = recorded[c.request_id]
+                    feats[i] = hidden[i] if self.aux_layers is None else None
+            for c, r, h, f in zip(chunks, rows, hidden, feats):
+                out.hidden[c.request_id] = h[: c.num_tokens]
+                if not c.sample and f is not None:
+                    out.observed.append((c.request_id, c.start, r.token_ids, f))
+                if c.is_prefill and self.requests[c.request_id].seq.params.prompt_logprobs is not None:
+                    out.prompt_logprobs[c.request_id] = self._prompt_logprobs(self.requests[c.request_id], c, h)
+            sampling = [i for i, c in enumerate(chunks) if c.sample]
+            if sampling:
+                self._choose(out, [chunks[i] for i in sampling], [rows[i] for i in sampling],
+                             [hidden[i] for i in sampling], [feats[i] for i in sampling], drafts)
+        return out
+
+    def _choose(self, out: RunnerOutput, chunks: list[ScheduledChunk], rows: list[Row],
+                hidden: list[torch.Tensor], feats: list[torch.Tensor | None], drafts: dict[str, Draft]) -> None:
+        """The tokens of each sampling chunk: the logits at its last token and every draft token
+        after it; plain rows sampled together, drafted rows verified one by one."""
+        spans = [(c.num_tokens - 1, len(r.token_ids)) for c, r in zip(chunks, rows)]
+        x = self.logits(torch.cat([h[a:b] for h, (a, b) in zip(hidden, spans)]))
+        per_row = list(torch.split(x, [b - a for a, b in spans]))
+        reqs = [self.requests[c.request_id] for c in chunks]
+        chosen: dict[int, list[int] | Exception] = {}
+        plain_x = {}
+        for j, c in enumerate(chunks):
+            try:
+                if c.request_id not in drafts:
+                    plain_x[j] = self._processed(reqs[j], per_row[j][0])
+            except Exception as exc:  # noqa: BLE001 - its constraint or processors: it alone fails
+                chosen[j] = exc
+        if plain_x:  # sampled first, then the drafts verified in order (the order the draws follow)
+            got = sample_each(torch.stack(list(plain_x.values())), [reqs[j].seq.params for j in plain_x],
+                              [randomness(reqs[j]) for j in plain_x], self.generator)
+            for j, t in zip(plain_x, got):
+                chosen[j] = t if isinstance(t, Exception) else [t]
+                if not isinstance(t, Exception) and feats[j] is not None:
+                    out.observed.append((chunks[j].request_id, chunks[j].start, rows[j].token_ids, feats[j]))
+        for j, c in enumerate(chunks):
+            if c.request_id in drafts:
+                chosen[j] = self._verify(out, c, reqs[j], per_row[j], drafts[c.request_id], feats[j])
+        for j, req in enumerate(reqs):
+            tokens, lps = chosen[j], None
+            if req.seq.params.logprobs is not None and not isinstance(tokens, Exception):
+                lps = token_logprobs(per_row[j][: len(tokens)], tokens, [req.seq.params.logprobs] * len(tokens))
+            out.tokens[req.seq.request_id], out.logprobs[req.seq.request_id] = tokens, lps
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+
+    def _processed(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
+        """A row's logits after its logits processors and constraint (as is when it has none)."""
+        p, seq = req.seq.params, req.seq
+        if not p.processes_logits:
+            return logits
+        return process_logits(logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids,
+                              self._stop_ids(p))
+
+    def _verify(self, out: RunnerOutput, chunk: ScheduledChunk, req: RequestState, logits: torch.Tensor,
+                draft: Draft, feats: torch.Tensor | None) -> list[int] | Exception:
+        """Accept a prefix of the draft (lossless rule), a tree's accepted path moved into place
+        in the cache; `feats`, the row's proposer features, observed where kept."""
+        seq, params = req.seq, req.seq.params
+        try:
+            keyed = params.seed is not None and not params.greedy
+            position = seq.num_tokens  # of the first token this verification chooses
+            if params.processes_logits:
+                logits, draft = processed_chain(logits, draft, params, seq.token_ids[: seq.num_prompt_tokens],
+                                                seq.output_token_ids, self._stop_ids(params))
+            if draft.parents is None:
+                tokens = (accept_keyed(logits, draft, params, position) if keyed else
+                          accept(logits, draft, params, req.generator, self.generator))
+                path = list(range(len(tokens) - 1))
+            else:
+                tokens, path = (accept_tree_keyed(logits, draft, params, position) if keyed else
+                                accept_tree(logits, draft, params, req.generator, self.generator))
+                self.move_kv(seq.request_id, [chunk.start + 1 + i for i in path],
+                             [chunk.start + 1 + j for j in range(len(path))])
+        except Exception as exc:  # noqa: BLE001 - this request alone fails
+            return exc
+        out.accepted[seq.request_id] = Verified(len(draft.tokens), max(draft.depths(), default=0), len(tokens) - 1)
+        if feats is not None:
+            out.observed.append((seq.request_id, chunk.start, seq.token_ids[chunk.start:] + tokens[:-1],
+                                 feats[[0] + [1 + i for i in path]]))
+        return tokens
+
+    def _prompt_logprobs(self, req: RequestState, chunk: ScheduledChunk, hidden: torch.Tensor) -> list:
+        """Logprobs of the prompt tokens this prefill chunk predicts (position j predicts j + 1)
+        that the request has not got yet."""
+        seq, k, got = req.seq, req.seq.params.prompt_logprobs, []
+        have = 1 + len(req.prompt_logprobs)  # prompt tokens with a logprob (the first has none)
+        end = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)  # last predicting position + 1
+        for a in range(max(chunk.start, have - 1), end, 256):  # bounded logits memory
+            b = min(a + 256, end)
+            x = self.logits(hidden[a - chunk.start: b - chunk.start])
+            got += token_logprobs(x, seq.token_ids[a + 1: b + 1], [k] * (b - a))
+        return got
+
+
+def randomness(req: RequestState) -> Any:
+    """A seeded request draws its next token with the uniform keyed by (seed, position), so its
+    output is the same with or without speculation; others use their generator."""
+    seed = req.seq.params.seed
+    return req.generator if seed is None else keyed_uniform(seed, req.seq.num_tokens)
+
+
+@dataclass
+class Verified:
+    """A verified draft: its tokens (after processing cut it), its depth, the tokens accepted."""
+
+    drafted: int
+    depth: int
+    accepted: int
+
+
+@dataclass
+class RunnerOutput:
+    """What one step's forward produced, by request id (vLLM v1's ModelRunnerOutput)."""
+
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # each chunk's own tokens' final states
+    tokens: dict[str, list[int] | Exception] = field(default_factory=dict)  # to commit, or what failed it alone
+    logprobs: dict[str, list | None] = field(default_factory=dict)  # of those tokens, when asked
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # new ones, of prefill chunks that asked
+    accepted: dict[str, Verified] = field(default_factory=dict)  # the drafts verified
+    # what the proposer is shown: (request id, start, token ids, features of the positions kept)
+    observed: list[tuple[str, int, list[int], torch.Tensor]] = field(default_factory=list)

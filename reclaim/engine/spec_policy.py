@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -171,3 +173,84 @@ class DepthController:
 
     def release(self, request_id: str) -> None:
         self._stats.pop(request_id, None)
+
+
+class SpecPolicy:
+    """When and how deep the engine speculates, from what its own steps cost: the gate picks the
+    arm per batch size (plain or a drafting method; a hybrid proposer's modes each an arm), and
+    with dynamic depth the depth controller gives each request its own depth. The measured costs
+    and each set of arms' gate stay across config changes. `stats` counts plain decodes chosen
+    (the engine's spec_stats)."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self.stats = stats
+        self.costs = StepCosts()  # decode steps' seconds by batch and draft tokens
+        self._gates: dict[tuple[str, ...], SpecGate] = {}
+        self.configure(None, ("plain", "spec"))
+
+    def configure(self, config: Any, arms: tuple[str, ...]) -> None:
+        """Speculate per `config` (a SpeculativeConfig, None: never), choosing among `arms`."""
+        self.config = config
+        self.gate = self._gates.setdefault(arms, SpecGate(arms))
+        self.depths = None
+        if config is not None and config.dynamic_depth:
+            self.depths = DepthController(config.num_speculative_tokens, config.draft_overhead,
+                                          config.draft_token_cost, costs=self.costs)
+
+    def arm(self, batch: int) -> str:
+        """What this step runs at `batch` running sequences: 'plain', or the method (mode) to draft
+        with. The history drafter decides per draft itself, from its measured acceptance and the
+        measured cost of a draft token; fixed depth always drafts."""
+        spec = self.config
+        if spec is None or batch > spec.max_batch:
+            return "plain"
+        if self.depths is None or spec.method == "suffix":
+            return spec.method
+        arm = self.gate.choose(batch)
+        if arm == "plain":
+            self.stats["plain_decodes"] += batch
+        return arm
+
+    def can_speculate(self, params: Any) -> bool:
+        """Requests whose logits are processed speculate in chains only (each draft position's
+        logits processed as if the draft tokens before it were committed), and a grammar must
+        be able to roll back the draft tokens it was advanced over."""
+        if not params.processes_logits:
+            return True
+        return not self.config.tree and (params.constraint is None or hasattr(params.constraint, "rollback"))
+
+    def lookahead(self, request_id: str, params: Any, batch: int) -> int:
+        """Draft tokens to make room for after this decode: the config's, or with dynamic depth
+        the request's own (a chain that deep; a tree whole or not at all; 0: decode plainly)."""
+        spec = self.config
+        if not self.can_speculate(params):
+            return 0
+        if self.depths is None or spec.history:  # a history draft's size follows its own confidence
+            return spec.lookahead
+        k = self.depths.depth(request_id, batch)
+        if k == 0:
+            self.stats["plain_decodes"] += 1
+        return spec.lookahead if spec.tree and k else k
+
+    def draft_costs(self, batch: int) -> tuple[float, float]:
+        """(a draft token's cost, verifying a draft at all) at `batch`, in plain decode steps."""
+        if self.depths is not None:
+            return self.depths.cost_per_token(batch), self.depths.overhead_per_verify(batch)
+        return self.config.draft_token_cost, self.config.draft_overhead
+
+    def verified(self, request_id: str, depth: int, accepted: int) -> None:
+        """A request's draft `depth` deep kept `accepted` draft tokens."""
+        if self.depths is not None:
+            self.depths.update(request_id, depth, accepted)
+
+    def observe_step(self, batch: int, arm: str, drafted: int, verified: int, committed: int,
+                     seconds: float) -> None:
+        """A decode-only step's cost and yield: the costs and the gate learn from it."""
+        if self.depths is None:
+            return
+        self.costs.observe(batch, drafted, seconds, verified)
+        self.gate.update(batch, arm if drafted > 0 else "plain", committed, seconds)
+
+    def release(self, request_id: str) -> None:
+        if self.depths is not None:
+            self.depths.release(request_id)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-import reclaim.engine.engine as engine_module
+import reclaim.engine.runner as runner_module
 from engine_helpers import make_pair
 from reclaim.engine.drafters import HybridDrafter, history_drafter, merge
 from reclaim.engine.eagle import EagleProposer
@@ -91,7 +91,7 @@ def test_sampled_history_drafts_match_plain_distribution(rule, monkeypatch):
     """1500 samples of one prompt: the history of its earlier completions drafts the later ones."""
     target, _ = make_pair(seed=4, vocab_size=8)
     if rule == "wrong":
-        monkeypatch.setattr(engine_module, "accept", _near_miss)
+        monkeypatch.setattr(runner_module, "accept", _near_miss)
     spec = dataclasses.replace(SUFFIX, num_speculative_tokens=3, dynamic_depth=False)  # every decode drafts
     assert _joint_chi2_passes(target, SuffixDrafter(), spec=spec) == (rule == "right")
 
