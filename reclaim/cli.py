@@ -17,7 +17,7 @@ app.add_typer(bench_app, name="bench")
 # ---- inference: generate, chat, demo (owner: engine) ----
 
 MODEL_ARG = typer.Option(None, "--model", "-m", help="HF model directory; omitted: the bundled SmolLM2-135M-Instruct.")
-DTYPES = ("float32", "bfloat16", "float16")
+from reclaim.engine.config import DTYPES  # noqa: E402 - light (no torch)
 DTYPE_OPT = typer.Option("float32", "--dtype", help="Weights and KV cache: float32, bfloat16 or float16.")
 KV_MEMORY_OPT = typer.Option(None, "--kv-cache-memory", help="KV cache budget in GiB (default 1); it must "
                              "hold one max-model-len sequence, and weights plus it must fit the device.")
@@ -30,7 +30,7 @@ def _fit(model: str | None, dtype: str, kv_cache_memory: float | None, *, max_mo
     `max_model_len(cfg)` gives the context length. Returns (model directory, max_model_len,
     KV cache bytes); a model that does not fit exits with the reason.
     """
-    from reclaim.engine.engine import DEFAULT_KV_CACHE_BYTES
+    from reclaim.engine.config import DEFAULT_KV_CACHE_BYTES
     from reclaim.engine.kv_cache import GIB, KVPool
     from reclaim.engine.memory import check_fits
     from reclaim.models.loading import as_dtype, read_config, resolve_model_dir
@@ -248,26 +248,61 @@ def demo(
 
 # ---- server: serve (owner: server) ----
 
+def engine_options(command):
+    """Give a command an option per EngineConfig field (`--max-num-seqs`, ...: the field's name,
+    its help, its type), generated rather than written out; the command gets the ones given as
+    `engine_fields` (a dict of field values)."""
+    import inspect
+    import typing
+
+    from reclaim.engine.config import EngineConfig, cli_fields
+
+    hints = typing.get_type_hints(EngineConfig)
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "engine_fields"]
+    extra = []
+    for f in cli_fields():
+        default = f" (default {f.default})" if f.default is not None and "flag_type" not in f.metadata else ""
+        extra.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.metadata.get(
+            "flag_type", hints[f.name]) | None, default=typer.Option(
+            None, f.metadata.get("flag", "--" + f.name.replace("_", "-")), help=f.metadata["help"] + default)))
+
+    def wrapper(**kwargs):
+        given = {f.name: kwargs.pop(f.name) for f in cli_fields()}
+        fields = {k: cli_value(k, v) for k, v in given.items() if v is not None}
+        return command(engine_fields=fields, **kwargs)
+
+    def cli_value(name: str, value):
+        convert = EngineConfig.__dataclass_fields__[name].metadata.get("from_flag")
+        return convert(value) if convert is not None else value
+
+    wrapper.__name__, wrapper.__doc__ = command.__name__, command.__doc__
+    wrapper.__signature__ = sig.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper
+
+
+def _engine_config(path: str | None, fields: dict):
+    """The EngineConfig of --engine-config (a YAML file or none) with the options given on top,
+    every field checked by load_config."""
+    from reclaim.config import load_config
+    from reclaim.engine.config import EngineConfig
+
+    return load_config(EngineConfig, path, fields)
+
+
 @app.command()
+@engine_options
 def serve(
     model: str = typer.Argument(None, help="HF model directory (or give it as --model); omitted: the "
                                 "bundled SmolLM2-135M-Instruct."),
     model_opt: str = MODEL_ARG,
-    dtype: str = DTYPE_OPT,
-    kv_cache_memory: float = KV_MEMORY_OPT,
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: str = typer.Option(None, "--api-key", envvar="RECLAIM_API_KEY",
                                 help="Require 'Authorization: Bearer KEY' on every route but /health. "
                                      "Prefer the RECLAIM_API_KEY variable: an option shows in `ps`."),
     served_model_name: str = typer.Option(None, help="Model name clients send (default: MODEL)."),
-    max_num_seqs: int = typer.Option(64, help="Most sequences in the running batch."),
-    max_num_batched_tokens: int = typer.Option(2048, help="Most tokens per engine step (decodes first, "
-                                               "then prefill chunks in what is left)."),
-    max_model_len: int = typer.Option(None, help="Context length (default: the model's)."),
-    num_blocks: int = typer.Option(None, help="KV-cache blocks (default: sized by the engine)."),
-    block_size: int = typer.Option(16, help="Tokens per KV-cache block."),
-    device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda."),
     shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get after SIGTERM; "
                                            "then streams end with finish_reason 'abort'."),
     limit_concurrency: int = typer.Option(1024, help="Most open connections; more get 503 + Retry-After."),
@@ -304,10 +339,13 @@ def serve(
     max_ttft_slowdown: float = typer.Option(0.1, "--max-ttft-slowdown", help="With --learn: the latency training may "
                                             "add to serving, as a share (idle time is free)."),
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
+    engine_config: str = typer.Option(None, "--engine-config", help="YAML file of EngineConfig fields "
+                                      "(max_num_seqs, ...); the engine options below override it."),
+    engine_fields: dict | None = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)."""
+    from reclaim.engine.kv_cache import GIB
     from reclaim.server.connections import ConnectionLimits
-    from reclaim.server.serve import EngineArgs
     from reclaim.server.serve import serve as run_server
 
     if model is not None and model_opt is not None and model != model_opt:
@@ -319,21 +357,23 @@ def serve(
                         suffix_cache_tokens=suffix_cache_tokens)
     learn_cfg = _learn_config(learn, learn_config, record=record, record_budget=record_budget,
                               record_host_budget=record_host_budget)
-    _, _, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=max_num_seqs, device=device,
-                          max_model_len=lambda cfg: max_model_len or cfg.max_position_embeddings,
-                          block_size=block_size, num_blocks=num_blocks)
     try:
-        args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          num_blocks=num_blocks, block_size=block_size, device=device,
-                          max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
-                          kv_cache_bytes=kv_bytes, speculative=spec)
+        args = _engine_config(engine_config, engine_fields).replace(speculative=spec)
+        args = args if args.device is not None else args.replace(device="cpu")  # weights load on the CPU unless told
+        # the budget given (a flag or the file), refused beside --num-blocks, which sets it
+        kv_gib = args.kv_cache_bytes / GIB if "kv_cache_bytes" in engine_fields or args.num_blocks is None else None
+        _, _, kv_bytes = _fit(model, args.dtype, kv_gib,
+                              max_num_seqs=args.max_num_seqs, device=args.device, block_size=args.block_size,
+                              max_model_len=lambda cfg: args.max_model_len or cfg.max_position_embeddings,
+                              num_blocks=args.num_blocks)
+        args = args.replace(kv_cache_bytes=kv_bytes)
         connections = ConnectionLimits(max_connections=limit_concurrency, header_timeout=header_timeout,
                                        body_timeout=body_timeout, keep_alive=timeout_keep_alive)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     origins = tuple(o.strip() for arg in allowed_origins or [] for o in arg.split(",") if o.strip())
     raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key,
-                                served_model_name=served_model_name, engine_args=args,
+                                served_model_name=served_model_name, engine_config=args,
                                 shutdown_timeout=shutdown_timeout, log_level=log_level,
                                 connections=connections, allowed_origins=origins,
                                 split_special_tokens=split_special_tokens,

@@ -65,11 +65,11 @@ def test_bfloat16_model_loads_in_bfloat16(tiny_dir):
 
 @pytest.fixture
 def served(monkeypatch):
-    """What `reclaim serve` hands the server: (model, EngineArgs) of each call."""
+    """What `reclaim serve` hands the server: (model, EngineConfig) of each call."""
     calls = []
 
-    def fake_serve(model, *, engine_args, **kw):
-        calls.append((model, engine_args))
+    def fake_serve(model, *, engine_config, **kw):
+        calls.append((model, engine_config))
         return 0
 
     monkeypatch.setattr(serve_module, "serve", fake_serve)
@@ -81,9 +81,9 @@ def test_serve_takes_the_model_positionally_or_as_an_option(tiny_dir, served, ho
     args = [a.format(m=tiny_dir) for a in how]
     res = CliRunner().invoke(app, ["serve", *args, "--dtype", "float16", "--kv-cache-memory", "0.5"])
     assert res.exit_code == 0, res.output
-    (model, engine_args), = served
-    assert model == tiny_dir and engine_args.dtype == "float16"
-    assert engine_args.kv_cache_bytes == GIB // 2
+    (model, engine_config), = served
+    assert model == tiny_dir and engine_config.dtype == "float16"
+    assert engine_config.kv_cache_bytes == GIB // 2
 
 
 def test_serve_refuses_two_different_models(tiny_dir, served, tmp_path):

@@ -341,7 +341,8 @@ def gap_point(model: Any, tokenizer: Any, name: str, spec: ServeBenchSpec) -> di
     """The stream's worst gap alone and beside the long prompt, at each token budget."""
     from reclaim.data.sharegpt import user_message
     from reclaim.models.tokenizer import encode_chat
-    from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
+    from reclaim.engine.config import EngineConfig
+    from reclaim.server.serve import BackgroundServer, build_app
 
     context = model.config.max_position_embeddings
     want = min(spec.long_prompt_tokens, context - 64)
@@ -357,7 +358,7 @@ def gap_point(model: Any, tokenizer: Any, name: str, spec: ServeBenchSpec) -> di
           "stream_max_tokens": context - len(encode_chat(tokenizer, chat_messages(0))) - 1}
     rows = []
     for budget in spec.gap_budgets:
-        args = EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device,
+        args = EngineConfig(max_num_seqs=spec.max_num_seqs, device=spec.device,
                           max_num_batched_tokens=budget)
         app, _, _ = build_app(model, tokenizer, (name,), args)
         server = BackgroundServer(app)
@@ -437,14 +438,15 @@ def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any
 def _model_and_app(spec: ServeBenchSpec) -> tuple[Any, Any, Any, Any]:
     """The model directory, reclaim's model and tokenizer, and the server app on them (threads set)."""
     from reclaim.models.loading import load_model, resolve_model_dir
-    from reclaim.server.serve import EngineArgs, build_app
+    from reclaim.engine.config import EngineConfig
+    from reclaim.server.serve import build_app
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
     model_dir = resolve_model_dir(spec.model)
     model, tokenizer = load_model(model_dir, device=spec.device)
     app, _, _ = build_app(model, tokenizer, (model_dir.name,),
-                          EngineArgs(max_num_seqs=spec.max_num_seqs, device=spec.device))
+                          EngineConfig(max_num_seqs=spec.max_num_seqs, device=spec.device))
     return model_dir, model, tokenizer, app
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from reclaim.engine.config import EngineConfig
 from reclaim.engine.detokenize import IncrementalDetokenizer
 from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
 from reclaim.engine.output import RequestState, commit, output
@@ -35,12 +36,6 @@ from reclaim.engine.spec_policy import SpecPolicy
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger("reclaim.engine")
-
-DEFAULT_KV_CACHE_BYTES = 1 << 30
-# What happens to running requests' cached K/V when weights change: recompute it with the new
-# weights (exact: no token is conditioned on old-weights K/V), or keep it (cheaper, mixes versions).
-KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
-
 
 class Recorder(Protocol):
     """Runs a recorded request's whole prompt forward (e.g. with autograd, kept for training)
@@ -73,45 +68,35 @@ class Engine:
         self,
         model: torch.nn.Module,
         tokenizer: Any = None,
+        config: EngineConfig | None = None,
         *,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         eos_token_ids: list[int] | None = None,
-        device: torch.device | str | None = None,
-        seed: int = 0,
         on_forward: Callable[[list[ForwardRecord]], None] | None = None,
-        head: str = "auto",
-        kv_on_weight_update: str = "recompute",
-        speculative: SpeculativeConfig | None = None,
         drafter: Drafter | None = None,
         recorder: Recorder | None = None,
+        **fields: Any,
     ) -> None:
-        cfg = model.config
+        """`config` (an EngineConfig; keyword `fields` of it override it) sizes the engine;
+        eos_token_ids (default: the model's and the tokenizer's), the hooks below and a ready
+        proposer (`drafter`, default: the one `config.speculative` names) come besides."""
+        self.config = cfg = (config or EngineConfig()).replace(**fields)
         param = next(model.parameters())
-        device = torch.device(device) if device is not None else param.device
-        if kv_on_weight_update not in KV_ON_WEIGHT_UPDATE:
-            raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}; allowed: {list(KV_ON_WEIGHT_UPDATE)}")
-        dtype = param.dtype
-        if max_model_len is None:
-            max_model_len = cfg.max_position_embeddings
-        if num_blocks is None:
-            num_blocks = plan_kv_blocks(cfg, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
-                                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype=dtype)
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(model, self.blocks, device, head=head)
+        device = torch.device(cfg.device) if cfg.device is not None else param.device
+        max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        num_blocks = cfg.num_blocks or plan_kv_blocks(
+            model.config, kv_cache_bytes=cfg.kv_cache_bytes, block_size=cfg.block_size,
+            max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, dtype=param.dtype)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.runner = ModelRunner(model, self.blocks, device, head=cfg.head)
         self.model, self.device = self.runner.model, device
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(
-            self.blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
+            self.blocks, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
         )
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._default_eos())
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.on_forward = on_forward
         self.recorder = recorder
         # False: a request is served unrecorded when another one waits for its first token (a
@@ -124,8 +109,8 @@ class Engine:
         self.num_record_failures = 0
         self.num_record_skipped = 0
         self._partial: set[str] = set()  # recorded without every prompt hidden state: never drafted
-        self.kv_on_weight_update = kv_on_weight_update
-        self.speculative = speculative
+        self.kv_on_weight_update = cfg.kv_on_weight_update
+        self.speculative = speculative = cfg.speculative
         self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "draft_calls": 0,
                            "plain_decodes": 0}

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from reclaim.engine.config import HEAD_KERNELS
 from reclaim.engine.kv_cache import BlockManager, KVPool
 from reclaim.engine.output import RequestState
 from reclaim.engine.rejection import accept, accept_keyed, accept_tree, accept_tree_keyed, processed_chain
@@ -30,7 +31,6 @@ from reclaim.engine.scheduler import ScheduledChunk
 from reclaim.engine.speculative import Draft
 from reclaim.models.kernels.linear import eligible, small_linear, torch_kernels
 
-HEAD_KERNELS = ("auto", "linear")
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from reclaim.engine.config import EngineConfig
 from reclaim.server.app import ServerState, create_app
 from reclaim.server.connections import (ConnectionLimits, QuietInvalidHTTP, guarded_protocol,
                                         quiet_accept_errors)
@@ -30,22 +31,7 @@ from reclaim.server.runner import EngineRunner
 log = logging.getLogger("reclaim.server")
 
 
-@dataclass
-class EngineArgs:
-    """How big the engine is; None takes the engine's defaults."""
-
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    num_blocks: int | None = None
-    block_size: int = 16
-    device: str = "cpu"
-    max_num_batched_tokens: int = 2048  # tokens per engine step; bounds a prefill chunk
-    dtype: str = "float32"  # weights and KV cache: float32, bfloat16 or float16
-    kv_cache_bytes: int | None = None  # KV cache budget; None: the engine's default
-    speculative: Any = None  # a SpeculativeConfig, or None for plain decoding
-
-
-def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_args: EngineArgs,
+def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_config: EngineConfig,
               *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20,
               split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = (),
               force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
@@ -56,16 +42,11 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_a
     request on the `reclaim.access` logger. learn: an OnlineTrainConfig to learn from feedback
     while serving (`serve --learn`), training between engine steps within max_ttft_slowdown.
     """
-    from reclaim.engine.engine import DEFAULT_KV_CACHE_BYTES, Engine
+    from reclaim.engine.engine import Engine
 
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer; the model directory has no tokenizer files")
-    engine = Engine(model, tokenizer, num_blocks=engine_args.num_blocks,
-                    block_size=engine_args.block_size, max_num_seqs=engine_args.max_num_seqs,
-                    max_model_len=engine_args.max_model_len, device=engine_args.device,
-                    max_num_batched_tokens=engine_args.max_num_batched_tokens,
-                    kv_cache_bytes=engine_args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
-                    speculative=engine_args.speculative)
+    engine = Engine(model, tokenizer, engine_config)
     colocated = None
     if learn is not None:
         from reclaim.online.colocate import Colocated
@@ -154,7 +135,7 @@ class DrainingServer(Server):
 
 def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
-          engine_args: EngineArgs | None = None, shutdown_timeout: float = 30.0,
+          engine_config: EngineConfig | None = None, shutdown_timeout: float = 30.0,
           log_level: str = "info", connections: ConnectionLimits | None = None,
           allowed_origins: tuple[str, ...] = (), split_special_tokens: bool = False,
           force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
@@ -166,12 +147,14 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model_dir(model)
-    engine_args = engine_args or EngineArgs()
-    weights, tokenizer = load_model(path, device=engine_args.device, dtype=engine_args.dtype)
+    engine_config = engine_config or EngineConfig()
+    if engine_config.device is None:  # a server loads its weights on the CPU unless told
+        engine_config = engine_config.replace(device="cpu")
+    weights, tokenizer = load_model(path, device=engine_config.device, dtype=engine_config.dtype)
     names = (served_model_name or (model if model else Path(path).name),)
     if model is None:
         names += ("default",)
-    app, runner, state = build_app(weights, tokenizer, names, engine_args or EngineArgs(),
+    app, runner, state = build_app(weights, tokenizer, names, engine_config,
                                    api_key=api_key, allowed_origins=allowed_origins,
                                    split_special_tokens=split_special_tokens,
                                    force_include_usage=force_include_usage, access_log=access_log,

@@ -11,7 +11,8 @@ from transformers import PreTrainedTokenizerFast
 
 from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
 from reclaim.server.connections import ConnectionLimits
-from reclaim.server.serve import BackgroundServer, EngineArgs, build_app
+from reclaim.engine.config import EngineConfig
+from reclaim.server.serve import BackgroundServer, build_app
 
 MODEL_NAME = "tiny-llama"
 # ChatML; with tools, a Hermes/Qwen-style tool list and `<tool_call>` turns (as Qwen2.5's).
@@ -112,7 +113,7 @@ def start_server(api_key: str | None = None, max_num_seqs: int = 16, num_blocks:
     """A live server; `app_options` go to build_app (split_special_tokens, allowed_origins)."""
     tokenizer = make_tokenizer()
     model = make_model(tokenizer, max_position_embeddings=max_model_len)
-    args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+    args = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       num_blocks=num_blocks, block_size=16, speculative=speculative)
     app, runner, state = build_app(model, tokenizer, (MODEL_NAME,), args, api_key=api_key,
                                    max_n=4, max_body_bytes=max_body_bytes, **app_options)

@@ -10,7 +10,8 @@ import reclaim.server.serve as serve_module
 from live_server import MODEL_NAME, make_model, make_tokenizer
 from reclaim.cli import app
 from reclaim.server.connections import ConnectionLimits
-from reclaim.server.serve import EngineArgs, build_app
+from reclaim.engine.config import EngineConfig
+from reclaim.server.serve import build_app
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_defaults_are_safe(captured):
     kw = captured()
     assert kw["api_key"] is None and kw["allowed_origins"] == () and not kw["split_special_tokens"]
     assert kw["access_log"] is True and kw["force_include_usage"] is False
-    assert kw["engine_args"].max_num_batched_tokens == 2048
+    assert kw["engine_config"].max_num_batched_tokens == 2048
     assert kw["connections"] == ConnectionLimits()
     c = kw["connections"]
     assert c.max_connections == 1024 and c.header_timeout <= 10 and c.body_timeout <= 30
@@ -49,7 +50,7 @@ def test_flags_reach_the_server(captured):
                   "--header-timeout", "2.5", "--body-timeout", "4", "--timeout-keep-alive", "1",
                   "--allowed-origins", "http://a.test, http://b.test",
                   "--allowed-origins", "http://c.test", "--split-special-tokens")
-    assert kw["engine_args"].max_num_batched_tokens == 256
+    assert kw["engine_config"].max_num_batched_tokens == 256
     assert kw["connections"] == ConnectionLimits(max_connections=8, header_timeout=2.5,
                                                  body_timeout=4, keep_alive=1)
     assert kw["allowed_origins"] == ("http://a.test", "http://b.test", "http://c.test")
@@ -73,14 +74,53 @@ def test_bad_limit_is_refused_by_name():
 def test_max_num_batched_tokens_reaches_the_scheduler():
     tokenizer = make_tokenizer()
     _, runner, _ = build_app(make_model(tokenizer), tokenizer, (MODEL_NAME,),
-                             EngineArgs(num_blocks=32, max_num_batched_tokens=64))
+                             EngineConfig(num_blocks=32, max_num_batched_tokens=64))
     assert runner.engine.scheduler.max_num_batched_tokens == 64
 
 
 def test_speculative_flags_reach_the_engine(captured):
-    assert captured()["engine_args"].speculative is None
+    assert captured()["engine_config"].speculative is None
     spec = captured("--speculative", "ngram", "--num-speculative-tokens", "3", "--spec-max-batch", "2")[
-        "engine_args"].speculative
+        "engine_config"].speculative
     assert (spec.method, spec.num_speculative_tokens, spec.max_batch) == ("ngram", 3, 2)
     bad = CliRunner().invoke(app, ["serve", "--speculative", "medusa"])
     assert bad.exit_code == 2 and "medusa" in bad.output
+
+
+def test_every_engine_field_is_a_serve_option_and_reaches_the_engine_config(captured, tmp_path):
+    """The engine options are generated from EngineConfig: each field (but `speculative`) has
+    its flag; a YAML file of fields loads through --engine-config and the flags override it."""
+    import dataclasses
+
+    from reclaim.engine.config import cli_fields
+
+    help_text = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200).output
+    names = [f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in cli_fields()]
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in cli_fields()} == {"speculative"}
+    assert all(n in help_text for n in names), [n for n in names if n not in help_text]
+    kw = captured("--max-num-seqs", "3", "--seed", "7", "--head", "linear", "--kv-on-weight-update", "keep")
+    cfg = kw["engine_config"]
+    assert (cfg.max_num_seqs, cfg.seed, cfg.head, cfg.kv_on_weight_update, cfg.device) == (3, 7, "linear", "keep", "cpu")
+    (tmp_path / "engine.yaml").write_text("max_num_seqs: 5\nblock_size: 32\n")
+    cfg = captured("--engine-config", str(tmp_path / "engine.yaml"), "--max-num-seqs", "2")["engine_config"]
+    assert (cfg.max_num_seqs, cfg.block_size) == (2, 32)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--max-num-seqs", "0"], "max_num_seqs=0"),
+    (["--head", "fast"], "head='fast'"),
+    (["--kv-on-weight-update", "drop"], "kv_on_weight_update='drop'"),
+    (["--dtype", "int8"], "dtype='int8'"),
+])
+def test_bad_engine_options_are_refused_by_name(args, named):
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 2 and named in result.output, result.output
+
+
+def test_engine_config_refuses_unknown_fields_and_bad_values():
+    with pytest.raises(ValueError, match=r"unknown engine field\(s\) \['max_seqs'\]; allowed: \['max_num_seqs'"):
+        EngineConfig().replace(max_seqs=4)
+    with pytest.raises(ValueError, match="block_size=0; allowed: an integer >= 1"):
+        EngineConfig(block_size=0)
+    bad = CliRunner().invoke(app, ["serve", "--engine-config", "/nonexistent/engine.yaml"])
+    assert bad.exit_code == 2 and "/nonexistent/engine.yaml" in bad.output

@@ -19,7 +19,8 @@ import httpx
 from live_server import make_model, make_tokenizer
 from reclaim.models.loading import save_model
 from reclaim.server.connections import ConnectionLimits
-from reclaim.server.serve import DrainingServer, EngineArgs, build_app, uvicorn_config
+from reclaim.engine.config import EngineConfig
+from reclaim.server.serve import DrainingServer, build_app, uvicorn_config
 
 
 def free_port() -> int:
@@ -125,7 +126,7 @@ def test_stuck_engine_at_shutdown_still_ends_streams_without_traceback(uvicorn_l
     [DONE] and one INFO line instead of a CancelledError traceback."""
     tokenizer = make_tokenizer()
     app, runner, state = build_app(make_model(tokenizer), tokenizer, ("tiny",),
-                                   EngineArgs(num_blocks=64, max_model_len=256))
+                                   EngineConfig(num_blocks=64, max_model_len=256))
     real_step, stuck = runner.engine.step, threading.Event()
 
     def step():

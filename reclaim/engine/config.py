@@ -1,0 +1,76 @@
+"""One engine config: how big the engine is and how it decodes (vLLM's EngineArgs, by its names).
+
+`Engine(model, tokenizer, EngineConfig(...))` builds from it (keyword fields override it),
+`reclaim serve` generates its engine options from these fields (`--max-num-seqs`, ...; a field's
+help is its `help` metadata) and reads them from a YAML file with `--engine-config` through
+`load_config`, and the benchmarks and GRPO build their engines from one. Each field is checked
+here, with the value and what is allowed named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from reclaim.engine.kv_cache import GIB
+
+DEFAULT_KV_CACHE_BYTES = GIB
+# What happens to running requests' cached K/V when weights change: recompute it with the new
+# weights (exact: no token is conditioned on old-weights K/V), or keep it (cheaper, mixes versions).
+KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
+HEAD_KERNELS = ("auto", "linear")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineConfig:
+    """The engine's size and decoding; None takes the model's (or the engine's) own value."""
+
+    max_num_seqs: int = _opt(64, "Most sequences in the running batch.")
+    max_num_batched_tokens: int = _opt(2048, "Most tokens per engine step (decodes first, then prefill "
+                                       "chunks in what is left).")
+    max_model_len: int | None = _opt(None, "Context length (default: the model's).")
+    num_blocks: int | None = _opt(None, "KV-cache blocks (default: sized from the KV cache budget).")
+    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    # the flag takes GiB (as --kv-cache-memory of generate and chat); the field is bytes
+    kv_cache_bytes: int = _opt(DEFAULT_KV_CACHE_BYTES, "KV cache budget in GiB (default 1); it must hold one "
+                               "max-model-len sequence, and weights plus it must fit the device.",
+                               flag="--kv-cache-memory", flag_type=float, from_flag=lambda gib: int(gib * GIB))
+    device: str | None = _opt(None, "Torch device, e.g. cpu or cuda (default: the model's; serve: cpu).")
+    dtype: str = _opt("float32", "Weights and KV cache: float32, bfloat16 or float16 (the weights are "
+                      "loaded in it; an engine over a loaded model uses the model's).")
+    seed: int = _opt(0, "Seed of the generator unseeded requests draw from.")
+    head: str = _opt("auto", "LM-head kernel: auto (reclaim's on CPU float32) or linear (F.linear).")
+    kv_on_weight_update: str = _opt("recompute", "Running requests' cached K/V after a weight update: "
+                                    "recompute (exact) or keep.")
+    speculative: Any = _opt(None, "A SpeculativeConfig, or None for plain decoding.", cli=False)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: an integer >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks!r}; allowed: an integer >= 1, or None (sized by the engine)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len!r}; allowed: an integer >= 2, or None (the model's)")
+        for name, allowed in (("dtype", DTYPES), ("head", HEAD_KERNELS),
+                              ("kv_on_weight_update", KV_ON_WEIGHT_UPDATE)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: {list(allowed)}")
+
+    def replace(self, **fields: Any) -> "EngineConfig":
+        """A copy with `fields` changed; an unknown name is refused, the allowed ones listed."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"unknown engine field(s) {unknown}; allowed: {[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **fields)
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """The fields `serve` offers as options (all but those marked cli=False)."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
