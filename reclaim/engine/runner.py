@@ -34,9 +34,8 @@ from reclaim.models.kernels.linear import eligible, small_linear, torch_kernels
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for an LM head on CPU: a few rows through reclaim's kernel (SmolLM2's head,
-    1 thread: 4.6 ms for 1 row, 5.1 for 4, against MKL's 9.4 and 15.3); more through oneDNN,
-    which beats MKL's sgemm there (24 rows: 21 ms against 29)."""
+    """x @ weight.T for an LM head on CPU: a few rows through reclaim's kernel, more through
+    oneDNN, which beats MKL's sgemm there (`reclaim bench engine` compares them)."""
     if eligible(x, weight):
         return small_linear(x, weight)
     if x.numel() == x.shape[-1]:

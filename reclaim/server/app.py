@@ -30,7 +30,7 @@ from reclaim.server.metrics import CONTENT_TYPE
 from reclaim.server.plan import (Limits, Plan, detokenize_body, plan_chat, plan_completion,
                                  tokenize_body)
 from reclaim.server.responses import TokenText, collect, stream_body
-from reclaim.server.runner import EngineFailure, EngineRunner, Generation
+from reclaim.server.engine_thread import EngineFailure, EngineThread, Generation
 from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, FeedbackRequest, parse
 from reclaim.server.structured import GrammarCompiler
 
@@ -58,7 +58,7 @@ class ServerState:
 class Gate:
     """API key, drain and status accounting for every HTTP request."""
 
-    def __init__(self, app: Any, state: ServerState, runner: EngineRunner) -> None:
+    def __init__(self, app: Any, state: ServerState, runner: EngineThread) -> None:
         self.app, self.state, self.metrics = app, state, runner.metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -211,7 +211,7 @@ class EventStream(StreamingResponse):
                 scope["reclaim.status"]["code"] = 500
 
 
-def create_app(runner: EngineRunner, tokenizer: Any, limits: Limits,
+def create_app(runner: EngineThread, tokenizer: Any, limits: Limits,
                state: ServerState | None = None, *,
                allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The server app around a (not yet started) runner; the lifespan starts and stops it.

@@ -13,7 +13,7 @@ from functools import lru_cache
 from reclaim.engine.request import RequestOutput, TokenLogprob
 from reclaim.server.errors import APIError
 from reclaim.server.plan import Plan
-from reclaim.server.runner import EngineFailure, Generation
+from reclaim.server.engine_thread import EngineFailure, Generation
 from reclaim.server.tools import OPEN_TAG, ToolCall
 
 

@@ -26,7 +26,7 @@ from reclaim.server.connections import (ConnectionLimits, QuietInvalidHTTP, guar
                                         quiet_accept_errors)
 from reclaim.server.metrics import ServerMetrics
 from reclaim.server.plan import Limits, max_token_chars
-from reclaim.server.runner import EngineRunner
+from reclaim.server.engine_thread import EngineThread
 
 log = logging.getLogger("reclaim.server")
 
@@ -54,7 +54,7 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_c
 
         learner = OnlineLearner(model, learn, tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False))
         colocated = Colocated(learner, engine, max_ttft_slowdown=max_ttft_slowdown)
-    runner = EngineRunner(engine, ServerMetrics(), learner=colocated)
+    runner = EngineThread(engine, ServerMetrics(), learner=colocated)
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
                     vocab_size=model.config.vocab_size, max_n=max_n, max_body_bytes=max_body_bytes,
                     split_special_tokens=split_special_tokens,
@@ -104,7 +104,7 @@ class DrainingServer(Server):
 
     END_S = 5.0  # time the aborted streams get to send their last chunk
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, runner: EngineRunner,
+    def __init__(self, config: uvicorn.Config, state: ServerState, runner: EngineThread,
                  grace: float) -> None:
         config.timeout_graceful_shutdown = grace + self.END_S
         super().__init__(config)

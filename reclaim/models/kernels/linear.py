@@ -34,9 +34,8 @@ from reclaim.paths import cache_root
 from reclaim.storage import build_once
 
 SOURCE = Path(__file__).with_name("small_linear.c")
-# Rows up to which the kernel beats MKL and oneDNN (SmolLM2's shapes, 1 thread: its 30 layers'
-# products 50 / 81 / 107 ms for 8 / 16 / 24 rows against MKL's 70 / 91 / 112, even at 32; its
-# head 10 / 16.5 / 25 ms against oneDNN's 12.5 / 16.3 / 21).
+# Rows up to which the kernel beats MKL and oneDNN on SmolLM2's shapes (measured by
+# `reclaim bench engine`: benchmarks/engine.md).
 SMALL_ROWS = 16
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None  # set once loading failed or was switched off

@@ -35,7 +35,7 @@ class _Timing:
 class Generation:
     """The engine requests behind one HTTP request (prompts x n choices), read as one stream."""
 
-    runner: "EngineRunner"
+    runner: "EngineThread"
     index_of: dict[str, int]  # engine request id -> choice index
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     pending: set[str] = field(default_factory=set)
@@ -60,7 +60,7 @@ class Generation:
         self.pending.clear()
 
 
-class EngineRunner:
+class EngineThread:
     """Owns the engine thread; submits and aborts requests from the event loop."""
 
     def __init__(self, engine, metrics: ServerMetrics, idle_wait_s: float = 0.05, learner=None) -> None:
