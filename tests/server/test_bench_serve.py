@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from live_server import make_model, make_tokenizer
-from reclaim.bench.serve import ServeBenchSpec, main, percentile
+from reclaim.bench.serve import ServeBenchSpec, main
+from reclaim.bench.serve_load import percentile
 from reclaim.models.loading import save_model
 
 
