@@ -82,7 +82,7 @@ def _speculative(spec: str | None, model: str | None, **fields: int | None):
         if model not in (None, "default"):
             raise typer.BadParameter(f"--speculative {spec} (no path) is the default model's drafter; "
                                      f"for another model give {spec}:PATH")
-        from reclaim.rl.drafter_trainer import default_drafter_dir
+        from reclaim.drafter.bundled import default_drafter_dir
 
         spec = f"{spec}:{default_drafter_dir()}"
     if fields.get("suffix_cache_tokens") is not None and (spec or "none").partition(":")[0] not in \
@@ -565,7 +565,7 @@ def drafter_train(
     existing text). Any config field can be overridden as `--field value` (e.g. --model DIR
     --max_steps 500). The drafter (EAGLE or EAGLE-3 layout) lands in output_dir."""
     from reclaim.config import load_config
-    from reclaim.rl.eagle3_trainer import train_command
+    from reclaim.drafter.eagle3 import train_command
 
     args = list(ctx.args) + (["--resume_from_checkpoint", "true"] if resume else [])
     try:

@@ -17,7 +17,7 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "ben
 PENDING = {"benchmarks/rl-longtail", "benchmarks/spec-history"}
 # A code span naming a file of the repository, or of reclaim/ without its prefix (`engine/runner.py`).
 TOP = ("reclaim/", "tests/", "scripts/", "benchmarks/", "docs/", ".ci/")
-PACKAGES = ("models/", "engine/", "server/", "online/", "rl/", "ssm/", "data/", "bench/", "configs/")
+PACKAGES = ("models/", "engine/", "server/", "online/", "rl/", "drafter/", "ssm/", "data/", "bench/", "configs/")
 
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 SPAN = re.compile(r"`([^`\n]+)`")

@@ -104,7 +104,7 @@ def _speculative(spec: RLBenchSpec) -> str:
     if spec.drafter is not None:
         return f"eagle:{spec.drafter}"
     from reclaim.models.loading import DEFAULT_NAMES
-    from reclaim.rl.drafter_trainer import default_drafter_path
+    from reclaim.drafter.bundled import default_drafter_path
 
     if spec.model in DEFAULT_NAMES and (default_drafter_path() / "config.json").exists():
         return f"eagle:{default_drafter_path()}"

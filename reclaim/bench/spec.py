@@ -163,7 +163,7 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
     drafter = spec.drafter
     drafter_seconds = None
     if drafter is None:
-        from reclaim.rl.drafter_trainer import default_drafter_dir
+        from reclaim.drafter.bundled import default_drafter_dir
 
         t = time.perf_counter()
         drafter = str(default_drafter_dir())

@@ -22,7 +22,7 @@ def demo_config(speculative: str = "suffix", steps: int = 2, threshold: int = 2)
     from reclaim.rl.grpo import GRPOConfig
 
     if speculative == "auto":
-        from reclaim.rl.drafter_trainer import default_drafter_path
+        from reclaim.drafter.bundled import default_drafter_path
 
         speculative = "eagle" if (default_drafter_path() / "config.json").is_file() else "suffix"
     return GRPOConfig(task="add_word", num_prompts=8, num_generations=4, per_device_train_batch_size=4,

@@ -30,7 +30,7 @@ completions are one process's), scores it, and the shares are gathered; the poli
 DDP (distributed.py: gradients summed once per optimizer step), per_device_train_batch_size per
 rank as in TRL; rank 0 logs, every rank writes its share of the DCP checkpoint (output_dir must
 be one directory all ranks see), and --resume loads it at any world size. With drafter_online (TLT) the EAGLE drafter learns from the rollouts' hidden
-states on the workers that finished their share early (drafter_trainer.OnlineDrafter).
+states on the workers that finished their share early (drafter/online.py's OnlineDrafter).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from reclaim.rl.bandit import BucketedBandit
 from reclaim.rl.rewards import load_reward, score
 from reclaim.rl.distributed import World, accumulating
 from reclaim.rl.logps import completion_logps, completion_mask
-from reclaim.rl.drafter_trainer import OnlineDrafter
+from reclaim.drafter.online import OnlineDrafter
 from reclaim.rl.rollout import AdaptiveRollout, RolloutStats
 from reclaim.schedule import SCHEDULES, lr_scheduler
 
@@ -446,7 +446,7 @@ def drafter_path(cfg: GRPOConfig) -> str:
     if method not in MODEL_METHODS:
         raise ValueError(f"speculative={cfg.speculative!r} has no EAGLE drafter")
     if not path:
-        from reclaim.rl.drafter_trainer import default_drafter_dir
+        from reclaim.drafter.bundled import default_drafter_dir
 
         return str(default_drafter_dir())
     return path

@@ -19,8 +19,9 @@ from reclaim.engine.runner import ModelRunner, Row
 from reclaim.engine.speculative import Draft, DraftRequest, parse_speculative
 from reclaim.engine.rejection import accept, accept_tree
 from reclaim.models.eagle3 import new_eagle3, save_eagle3
-from reclaim.rl.drafter_trainer import DrafterBuffer, collect, train_drafter
-from reclaim.rl.eagle3_trainer import eagle3_acceptance, eagle3_loss, with_aux
+from reclaim.drafter.data import DrafterBuffer, collect
+from reclaim.drafter.eagle3 import eagle3_acceptance, eagle3_loss, with_aux
+from reclaim.drafter.loss import train_drafter
 
 GREEDY = SamplingParams(temperature=0.0)
 AUX = (1, 2, 3)

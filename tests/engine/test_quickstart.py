@@ -50,9 +50,9 @@ def test_speculative_demo_prints_the_plain_text_and_its_speed(smol):
 def test_demo_command_runs_with_no_drafter_cached(smol, tmp_path, monkeypatch):
     """`reclaim demo` (what `make demo` runs): with nothing trained or cached it speculates with the
     history drafter."""
-    import reclaim.rl.drafter_trainer as dt
+    import reclaim.drafter.bundled as bundled
 
-    monkeypatch.setattr(dt, "default_drafter_path", lambda: tmp_path / "no-drafter")
+    monkeypatch.setattr(bundled, "default_drafter_path", lambda: tmp_path / "no-drafter")
     res = CliRunner().invoke(app, ["demo", "--max-tokens", "6", "--ssm-steps", "0", "--online-rounds", "0",
                                    "--grpo-steps", "0"])
     assert res.exit_code == 0, res.output

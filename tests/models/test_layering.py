@@ -20,7 +20,7 @@ import reclaim
 RECLAIM = Path(reclaim.__file__).parent
 MODELS = RECLAIM / "models"
 BOTTOM = ("reclaim.storage", "reclaim.paths")  # what everything may import; they import no reclaim
-ABOVE = ("reclaim.ssm", "reclaim.engine", "reclaim.server", "reclaim.online", "reclaim.rl",
+ABOVE = ("reclaim.ssm", "reclaim.engine", "reclaim.server", "reclaim.online", "reclaim.rl", "reclaim.drafter",
          "reclaim.bench", "reclaim.cli", "reclaim.data")
 
 

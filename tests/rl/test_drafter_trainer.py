@@ -16,11 +16,12 @@ from typer.testing import CliRunner
 from reclaim.config import ConfigError, load_config
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
+from reclaim.checkpoints import checkpoints
+from reclaim.drafter.acceptance import greedy_acceptance
+from reclaim.drafter.data import DrafterBuffer, DrafterSample, HiddenRecorder, collect
+from reclaim.drafter.loss import train_drafter
+from reclaim.drafter.train import DrafterTrainConfig, train
 from reclaim.models.drafter import load_drafter, new_drafter
-from reclaim.rl.drafter_trainer import (
-    DrafterBuffer, DrafterSample, DrafterTrainConfig, HiddenRecorder, checkpoints, collect,
-    greedy_acceptance, train, train_drafter,
-)
 
 
 @torch.no_grad()
@@ -290,7 +291,7 @@ def test_a_trained_drafter_accepts_more_than_two_tokens_per_verify(tmp_path, one
     buf.add(samples[:256])
     torch.manual_seed(0)
     drafter = new_drafter(target)
-    from reclaim.rl.drafter_trainer import make_optimizer
+    from reclaim.drafter.loss import make_optimizer
     from reclaim.schedule import lr_scheduler
 
     opt = make_optimizer(drafter, 3e-3)
@@ -308,22 +309,22 @@ def test_a_trained_drafter_accepts_more_than_two_tokens_per_verify(tmp_path, one
 def test_the_default_drafter_is_trained_once_then_found_in_the_cache(tiny_model_dir, tmp_path, monkeypatch,
                                                                      one_thread):
     import reclaim.models.loading as loading
-    import reclaim.rl.drafter_trainer as dt
+    import reclaim.drafter.bundled as bundled
 
     monkeypatch.setenv("RECLAIM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading, "default_model_dir", lambda: tiny_model_dir)
     tiny = tmp_path / "tiny.yaml"
     tiny.write_text("".join(f"{k}: {v}\n" for k, v in {**TINY_RUN, "save_steps": 0}.items()))
-    monkeypatch.setattr(dt, "DEFAULT_DRAFTER_CONFIG", str(tiny))
+    monkeypatch.setattr(bundled, "DEFAULT_DRAFTER_CONFIG", str(tiny))
     said: list[str] = []
-    path = dt.default_drafter_dir(log=said.append, progress=False)
+    path = bundled.default_drafter_dir(log=said.append, progress=False)
     assert path == tmp_path / "cache" / "drafters" / tiny_model_dir.name
     info = json.loads((path / "train_info.json").read_text())
     assert info["total_s"] > 0 and info["eval"]["tau"] >= 1 and any("trained in" in s for s in said)
     target, _ = _load(tiny_model_dir)
     load_drafter(path, target)
     said.clear()
-    assert dt.default_drafter_dir(log=said.append) == path and said == []  # found, not trained again
+    assert bundled.default_drafter_dir(log=said.append) == path and said == []  # found, not trained again
 
 
 def test_rollouts_are_saved_in_parts_and_a_resumed_run_answers_only_the_missing_ones(tiny_model_dir, tmp_path,

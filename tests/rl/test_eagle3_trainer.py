@@ -17,10 +17,12 @@ from reclaim.config import ConfigError, load_config
 from reclaim.models.cache import DenseCache
 from reclaim.models.drafter import new_drafter
 from reclaim.models.eagle3 import load_eagle3, new_eagle3
-from reclaim.rl.drafter_trainer import DrafterBuffer, collect, greedy_acceptance, make_optimizer, train_drafter
-from reclaim.rl.eagle3_trainer import (
+from reclaim.drafter.acceptance import greedy_acceptance
+from reclaim.drafter.data import DrafterBuffer, collect
+from reclaim.drafter.eagle3 import (
     Eagle3TrainConfig, eagle3_acceptance, eagle3_loss, train_command, ttt_states, with_aux,
 )
+from reclaim.drafter.loss import make_optimizer, train_drafter
 from reclaim.schedule import lr_scheduler
 
 AUX = (0, 1, 2)
@@ -101,7 +103,7 @@ def test_cli_trains_eagle3_from_answers_then_resumes(tiny_model_dir, tmp_path, o
 
 
 def test_prefill_over_existing_text(tiny_model_dir, tmp_path, monkeypatch, one_thread):
-    from reclaim.rl.eagle3_trainer import train_eagle3
+    from reclaim.drafter.eagle3 import train_eagle3
 
     monkeypatch.setenv("RECLAIM_CACHE", str(tmp_path / "cache"))  # the corpus's token cache
     text = tmp_path / "text.txt"

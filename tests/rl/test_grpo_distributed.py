@@ -98,7 +98,8 @@ def _idle_drafter(root: Path, rank: int) -> None:
     from reclaim.models.drafter import load_drafter
     from reclaim.models.loading import load_model
     from reclaim.rl.distributed import World
-    from reclaim.rl.drafter_trainer import OnlineDrafter, collect
+    from reclaim.drafter.data import collect
+    from reclaim.drafter.online import OnlineDrafter
 
     world = World(rank, 2)
     target = load_model(root / "tiny", dtype=None)[0].requires_grad_(False)

@@ -11,7 +11,9 @@ from rl_helpers import fixed_depth, tiny_target
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.models.drafter import new_drafter, save_drafter
-from reclaim.rl.drafter_trainer import OnlineDrafter, collect, greedy_acceptance
+from reclaim.drafter.acceptance import greedy_acceptance
+from reclaim.drafter.data import collect
+from reclaim.drafter.online import OnlineDrafter
 
 
 def test_the_online_drafter_learns_a_fixed_target_and_the_engine_drafts_with_it(tmp_path, one_thread):

@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from reclaim.drafter.acceptance import greedy_acceptance
+from reclaim.drafter.data import DrafterBuffer, DrafterSample
+from reclaim.drafter.loss import make_optimizer, train_drafter
+from reclaim.drafter.train import DRAFTER_TYPES, DrafterTrainConfig, _place_final, _rollouts, _start, fit, train
 from reclaim.models.drafter import most_frequent, new_drafter, save_drafter
 from reclaim.models.eagle3 import Eagle3Drafter, default_aux_layers, load_eagle3, new_eagle3, save_eagle3
 from reclaim.models.llama import check_aux_layers
-from reclaim.rl.drafter_trainer import (
-    DRAFTER_TYPES, DrafterBuffer, DrafterSample, DrafterTrainConfig, _place_final, _rollouts, _start, fit,
-    greedy_acceptance, make_optimizer, train, train_drafter,
-)
 from reclaim.schedule import lr_scheduler
 
 DATA_SOURCES = ("answers", "prefill")
