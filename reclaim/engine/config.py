@@ -13,8 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from reclaim.engine.kv_cache import GIB
-
+GIB = 1 << 30
 DEFAULT_KV_CACHE_BYTES = GIB
 # What happens to running requests' cached K/V when weights change: recompute it with the new
 # weights (exact: no token is conditioned on old-weights K/V), or keep it (cheaper, mixes versions).

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from reclaim.engine.config import GIB
 from reclaim.models.cache import attention_mask
 
 
@@ -118,9 +119,6 @@ class BlockManager:
         self._cached.clear()
         self._hash_of.clear()
         self.owner.clear()
-
-
-GIB = 1 << 30
 
 
 def plan_kv_blocks(
