@@ -1,16 +1,26 @@
 """The run directory every trainer shares: `checkpoint-{step}/` directories and a JSON-lines log.
 
 ssm-train, grpo and drafter train list their checkpoints and, on resume, drop the log lines
-written after the checkpoint they continue from, the same way; this is that one way.
+written after the checkpoint they continue from, the same way; this is that one way. GRPO's
+checkpoint (the policy, its trainer state as a torch.distributed.checkpoint, RNG, the pending
+rollout, the online drafter) is written and read here too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 CHECKPOINT_PREFIX = "checkpoint-"
+TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint with one is complete
 
 
 def checkpoints(output_dir: str | os.PathLike, require: str | None = None) -> list[Path]:
@@ -26,3 +36,82 @@ def trim_log(path: Path, step: int) -> None:
     if path.exists():
         keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
         path.write_text("".join(ln + "\n" for ln in keep))
+
+
+# ---- GRPO's checkpoint ------------------------------------------------------------------------
+
+DCP_DIR = "dcp"  # checkpoint-{step}/dcp: the torch.distributed.checkpoint of model, optimizer, scheduler
+
+
+class TrainerState:
+    """What DCP saves and loads (torch.distributed.checkpoint's Stateful): the policy, the optimizer
+    (state dicts keyed by parameter name, as get_state_dict gives them, so any world size reads
+    them) and the LR scheduler."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+
+
+def save_grpo_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any, optimizer, scheduler,
+                    state: dict[str, Any], batch: Any | None, online: Any | None, world: Any) -> Path:
+    """checkpoint-{step}/: the policy (HF layout), dcp/ (TrainerState, every rank writing its share),
+    RNG states, the rollout still being trained on (num_iterations > 1), the online drafter
+    (drafter/, drafter_state.pt) and trainer_state.json (last). Every rank calls it; rank 0 builds
+    the directory under a temp name and renames it into place once all is written, so a crash
+    mid-save leaves the previous checkpoint the latest. `world`: rl.distributed.World; `online`: an
+    OnlineDrafter; `batch`: a RolloutBatch."""
+    import torch.distributed.checkpoint as dcp
+
+    from reclaim.models.loading import save_model
+    from reclaim.storage import atomic_dir
+
+    trainer = {"trainer": TrainerState(model, optimizer, scheduler)}
+    path = out / f"{CHECKPOINT_PREFIX}{step}"
+    if not world.is_main:
+        _dcp(dcp.save, trainer, world.broadcast(None, src=0), world)
+        return path
+
+    def write(tmp: Path) -> None:
+        save_model(model, tokenizer, tmp)  # first, while tmp is empty (it replaces the directory)
+        _dcp(dcp.save, trainer, world.broadcast(tmp / DCP_DIR, src=0), world)
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng_state.pt")
+        if batch is not None:
+            torch.save(dataclasses.asdict(batch), tmp / "rollout.pt")
+        if online is not None:
+            online.save(tmp)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+
+    return atomic_dir(path, write)
+
+
+def load_trainer_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       scheduler: Any, world: Any) -> None:
+    """Load the checkpoint's dcp/ into the policy, optimizer and scheduler (every rank calls it; the
+    world size may differ from the one that saved)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (checkpoint / DCP_DIR / ".metadata").is_file():
+        raise ValueError(f"{str(checkpoint)!r} has no {DCP_DIR}/.metadata (the torch.distributed.checkpoint of the "
+                         f"model, optimizer and scheduler); it was not written by this version of reclaim grpo, so "
+                         f"it cannot be resumed: start a fresh run (model: {str(checkpoint)!r} starts from its weights)")
+    _dcp(dcp.load, {"trainer": TrainerState(model, optimizer, scheduler)}, checkpoint / DCP_DIR, world)
+
+
+def _dcp(op: Callable, state: dict[str, Any], path: Path, world: Any) -> None:
+    """dcp.save or dcp.load at `path`: collective over the ranks; one process runs it without a
+    process group, as it says in a warning silenced here, since that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        op(state, checkpoint_id=path, no_dist=world.size == 1)

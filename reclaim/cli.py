@@ -460,7 +460,8 @@ def grpo(
     """Train a policy with GRPO on procedural reasoning tasks, rollouts on reclaim's engine. Any
     config field can be overridden as `--field value` (e.g. --max_steps 20 --beta 0.04)."""
     from reclaim.config import load_config
-    from reclaim.rl.grpo import GRPOConfig, train
+    from reclaim.rl.grpo import train
+    from reclaim.rl.grpo_config import GRPOConfig
     from reclaim.rl.rewards import RewardError
 
     args = list(ctx.args) + (["--resume_from_checkpoint", "true"] if resume else [])

@@ -114,7 +114,7 @@ def _speculative(spec: RLBenchSpec) -> str:
 def arm_configs(spec: RLBenchSpec, out: Path) -> dict[str, Any]:
     """The GRPOConfig of each reclaim arm: the shared config resized, speculation per arm."""
     from reclaim.config import load_config
-    from reclaim.rl.grpo import GRPOConfig
+    from reclaim.rl.grpo_config import GRPOConfig
 
     g = spec.num_generations
     shared = {"max_steps": spec.steps, "num_generations": g, "per_device_train_batch_size": g,
@@ -167,10 +167,10 @@ def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any,
     tail) and how many drafts the target verified."""
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
-    from reclaim.rl.grpo import rollout_runner
+    from reclaim.rl.rollout import rollout_runner
 
     from reclaim.engine.drafters import make_drafter
-    from reclaim.rl.grpo import spec_arms
+    from reclaim.rl.rollout import spec_arms
 
     runner = rollout_runner(cfg)
     # A drafter made mid-rollout has not seen the running sequences and cannot draft for them: the
@@ -187,7 +187,7 @@ def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any,
 def step_prompts(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], torch.nn.Module, Any]:
     """The dataset rows of every RL step in order, the whole dataset, and the config's model and tokenizer."""
     from reclaim.models.loading import load_model
-    from reclaim.rl.grpo import build_dataset, prompt_rows
+    from reclaim.rl.data import build_dataset, prompt_rows
 
     rows = build_dataset(cfg)
     per_step = cfg.generation_batch_size // cfg.num_generations
@@ -413,7 +413,9 @@ def measure_rollouts(spec: RLBenchSpec) -> dict[str, Any]:
     tokens/s, tau, the history drafter's memory; the completions must be identical to plain's."""
     from reclaim.engine.request import SamplingParams
     from reclaim.models.tokenizer import encode_chat
-    from reclaim.rl.grpo import _open_engine, request_seed, rollout_runner
+    from reclaim.rl.data import request_seed
+    from reclaim.rl.grpo import _open_engine
+    from reclaim.rl.rollout import rollout_runner
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
@@ -556,7 +558,7 @@ def main(spec: RLBenchSpec) -> dict[str, Any]:
 
 def held_out_rows(cfg: Any, n: int) -> list[dict[str, Any]]:
     """`n` prompts of cfg's task that are not among its training prompts (another seed's draw)."""
-    from reclaim.rl.grpo import build_dataset
+    from reclaim.rl.data import build_dataset
 
     if cfg.dataset is not None:
         raise ValueError(f"held-out accuracy needs a procedural task; the run trained on dataset {cfg.dataset!r}")
@@ -599,7 +601,7 @@ def held_out_accuracy(run_dir: str | Path, n: int = 100, threads: int | None = 1
     against the run's last checkpoint, with how long the run trained; writes rl-accuracy.json."""
     from reclaim.checkpoints import checkpoints
     from reclaim.config import load_config
-    from reclaim.rl.grpo import GRPOConfig
+    from reclaim.rl.grpo_config import GRPOConfig
 
     run = Path(run_dir)
     if not (run / "train_config.json").is_file():

@@ -19,7 +19,7 @@ import torch
 def demo_config(speculative: str = "suffix", steps: int = 2, threshold: int = 2) -> Any:
     """The demo's GRPOConfig; speculative 'suffix' (the default) drafts from the group's other
     completions, nothing to train ('auto': the default model's cached EAGLE drafter, else suffix)."""
-    from reclaim.rl.grpo import GRPOConfig
+    from reclaim.rl.grpo_config import GRPOConfig
 
     if speculative == "auto":
         from reclaim.drafter.bundled import default_drafter_path
@@ -35,7 +35,8 @@ def demo_config(speculative: str = "suffix", steps: int = 2, threshold: int = 2)
 
 def _backward(policy: torch.nn.Module, batch: Any, cfg: Any) -> float:
     """The GRPO loss of the whole rollout as one micro-batch (the demo's batch is small), backpropagated."""
-    from reclaim.rl.grpo import completion_logps, grpo_loss
+    from reclaim.rl.logps import completion_logps
+    from reclaim.rl.loss import grpo_loss
 
     logps, _ = completion_logps(policy, batch.prompt_ids, batch.completion_ids, cfg.temperature)
     loss, _ = grpo_loss(logps.float(), batch.advantages, batch.mask[:, :logps.shape[1]], loss_type=cfg.loss_type,
@@ -53,7 +54,8 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     from reclaim.engine.engine import Engine
     from reclaim.models.tokenizer import encode_chat
     from reclaim.optim import adamw
-    from reclaim.rl.grpo import build_dataset, prompt_rows, rollout, rollout_runner, spec_arms
+    from reclaim.rl.data import build_dataset, prompt_rows
+    from reclaim.rl.rollout import rollout, rollout_runner, spec_arms
     from reclaim.rl.rewards import load_reward
 
     out = out or sys.stdout

@@ -78,7 +78,9 @@ def test_bench_rl_refuses_bad_arms():
 
 def test_held_out_accuracy_before_and_after_a_run(tiny_model_dir, tmp_path):
     from reclaim.config import load_config
-    from reclaim.rl.grpo import GRPOConfig, build_dataset, train
+    from reclaim.rl.data import build_dataset
+    from reclaim.rl.grpo import train
+    from reclaim.rl.grpo_config import GRPOConfig
 
     cfg = load_config(GRPOConfig, "grpo-tiny", {"model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"),
                                                 "max_steps": 1, "task": "add_word"})

@@ -14,7 +14,11 @@ from rl_helpers import tiny_target
 from typer.testing import CliRunner
 
 from reclaim.config import ConfigError, load_config
-from reclaim.rl.grpo import GRPOConfig, build_dataset, checkpoints, grpo_loss, group_advantages, train
+from reclaim.checkpoints import TRAINER_STATE, checkpoints
+from reclaim.rl.data import build_dataset
+from reclaim.rl.grpo import train
+from reclaim.rl.grpo_config import GRPOConfig
+from reclaim.rl.loss import grpo_loss, group_advantages
 from reclaim.rl.rewards import RewardError, accuracy_reward, extract_answer, format_reward, load_reward, score
 
 
@@ -270,7 +274,7 @@ def test_resume_inside_an_iterated_rollout_with_kl(tiny_model_dir, tmp_path, one
         shutil.rmtree(b / f"checkpoint-{step}")
     train(load_config(GRPOConfig, "grpo-tiny", {**fields, "output_dir": str(b), "resume_from_checkpoint": True}),
           progress=False)
-    assert [p.name for p in checkpoints(b)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert [p.name for p in checkpoints(b, require=TRAINER_STATE)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     _assert_same_run(a, b, 3)
 
 
@@ -283,10 +287,10 @@ def test_a_raising_reward_stops_the_run_with_its_name_and_the_checkpoint_stays(t
     r = CliRunner().invoke(_app(), base + ["--reward_funcs", f"[{tmp_path}/bad.py:boom]"])
     assert r.exit_code == 1
     assert "reward function 'boom' raised ZeroDivisionError: division by zero on sample 0 (prompt 'Compute" in r.output
-    assert [p.name for p in checkpoints(out)] == ["checkpoint-1"]
+    assert [p.name for p in checkpoints(out, require=TRAINER_STATE)] == ["checkpoint-1"]
     r = CliRunner().invoke(_app(), base + ["--resume", "--reward_funcs", "[format]"])
     assert r.exit_code == 0, r.output
-    assert [p.name for p in checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+    assert [p.name for p in checkpoints(out, require=TRAINER_STATE)] == ["checkpoint-1", "checkpoint-2"]
 
 
 @pytest.mark.slow

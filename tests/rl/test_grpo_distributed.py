@@ -27,7 +27,8 @@ import torch
 
 from rl_helpers import make_tokenizer, tiny_target
 from reclaim.config import load_config
-from reclaim.rl.grpo import GRPOConfig, train
+from reclaim.rl.grpo import train
+from reclaim.rl.grpo_config import GRPOConfig
 
 EVEN = "def even(prompts, completions, completion_ids, **kw):\n" \
        "    return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]\n"
@@ -270,7 +271,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_to_resume(runs, one_thr
     from it reproduces the uninterrupted run."""
     import torch.distributed.checkpoint as dcp
 
-    from reclaim.rl.grpo import checkpoints
+    from reclaim.checkpoints import TRAINER_STATE, checkpoints
 
     save, calls = dcp.save, []
 
@@ -288,7 +289,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_to_resume(runs, one_thr
     assert [p.name for p in run.iterdir() if p.name.startswith((".checkpoint", "checkpoint"))] == ["checkpoint-1"]
     train(load_config(GRPOConfig, "grpo-tiny", {**fields(runs, "crash", 1), "resume_from_checkpoint": True}),
           progress=False)
-    assert [p.name for p in checkpoints(run)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert [p.name for p in checkpoints(run, require=TRAINER_STATE)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     _same_run(runs / "solo", run)
 
 

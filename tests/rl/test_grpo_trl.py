@@ -9,7 +9,9 @@ import pytest
 import torch
 from rl_helpers import make_tokenizer, tiny_target
 
-from reclaim.rl.grpo import completion_logps, completion_mask, grpo_loss
+from reclaim.rl.logps import completion_logps, completion_mask
+
+from reclaim.rl.loss import grpo_loss
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
@@ -115,7 +117,7 @@ def test_loss_and_gradient_equal_trls(setup, tmp_path, loss_type, case, one_thre
 def test_advantages_equal_trls(setup, tmp_path, scale_rewards, one_thread):
     """TRL scores fixed completions (its generation replaced) with two weighted reward functions,
     one of which leaves some completions unscored (None); the advantages it trains on equal ours."""
-    from reclaim.rl.grpo import group_advantages
+    from reclaim.rl.loss import group_advantages
 
     nan = float("nan")  # the reward functions below return None there
     table = torch.tensor([[1.0, 0.5], [0.0, nan], [2.0, 1.0], [2.0, 1.0], [0.0, 0.0], [1.0, nan],
@@ -139,7 +141,8 @@ def test_advantages_equal_trls(setup, tmp_path, scale_rewards, one_thread):
 def test_bf16_mixed_precision_equals_trls(setup, tmp_path, one_thread):
     """bf16: True runs the training forward under bfloat16 autocast as TRL's bf16 does: the loss
     and gradient equal TRL's with bf16 within bf16 rounding, and differ from the float32 ones."""
-    from reclaim.rl.grpo import GRPOConfig, precision
+    from reclaim.rl.grpo import precision
+    from reclaim.rl.grpo_config import GRPOConfig
 
     ours = setup[0]
     trainer = _trl_trainer(setup, tmp_path, loss_type="bnpo", bf16=True)

@@ -69,7 +69,8 @@ def test_grpo_with_the_online_drafter_trains_the_plain_policy_and_resumes_the_dr
 
     from reclaim.config import load_config
     from reclaim.models.loading import load_model
-    from reclaim.rl.grpo import GRPOConfig, train
+    from reclaim.rl.grpo import train
+    from reclaim.rl.grpo_config import GRPOConfig
 
     (tmp_path / "even.py").write_text(REWARD_FILE)
     torch.manual_seed(0)

@@ -9,7 +9,8 @@ import pytest
 
 from reclaim.config import ConfigError, load_config
 from reclaim.data.tasks import make_prompts, rg_tasks, tasks
-from reclaim.rl.grpo import GRPOConfig, build_dataset
+from reclaim.rl.data import build_dataset
+from reclaim.rl.grpo_config import GRPOConfig
 from reclaim.rl.rewards import accuracy_reward, format_reward, score
 
 rg = pytest.importorskip("reasoning_gym")
