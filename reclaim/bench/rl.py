@@ -169,14 +169,14 @@ def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any,
     from reclaim.engine.request import SamplingParams
     from reclaim.rl.rollout import rollout_runner
 
-    from reclaim.engine.drafters import make_drafter
+    from reclaim.engine.proposers import make_proposer
     from reclaim.rl.rollout import spec_arms
 
     runner = rollout_runner(cfg)
     # A drafter made mid-rollout has not seen the running sequences and cannot draft for them: the
     # speculating arms' engines get theirs at the start (the one training uses), so the check
     # compares drafted tokens.
-    drafter = make_drafter(spec_arms(cfg)[-1], model) if cfg.speculative != "none" else None
+    drafter = make_proposer(spec_arms(cfg)[-1], model) if cfg.speculative != "none" else None
     engine = Engine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
                     max_model_len=max(len(p) for p in prompts) + cfg.max_completion_length, drafter=drafter)
     params = [SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length)] * len(prompts)

@@ -30,8 +30,8 @@ from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, RunnerOutput
 from reclaim.engine.sampling import make_generator
-from reclaim.engine.drafters import HYBRID_MODES, make_drafter
-from reclaim.engine.speculative import Draft, Drafter, DraftRequest, SpeculativeConfig
+from reclaim.engine.proposers import HYBRID_MODES, make_proposer
+from reclaim.engine.speculative import Draft, Proposer, DraftRequest, SpeculativeConfig
 from reclaim.engine.spec_policy import SpecPolicy
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
@@ -72,7 +72,7 @@ class Engine:
         *,
         eos_token_ids: list[int] | None = None,
         on_forward: Callable[[list[ForwardRecord]], None] | None = None,
-        drafter: Drafter | None = None,
+        drafter: Proposer | None = None,
         recorder: Recorder | None = None,
         **fields: Any,
     ) -> None:
@@ -111,7 +111,7 @@ class Engine:
         self._partial: set[str] = set()  # recorded without every prompt hidden state: never drafted
         self.kv_on_weight_update = cfg.kv_on_weight_update
         self.speculative = speculative = cfg.speculative
-        self.drafter = drafter if drafter is not None or speculative is None else make_drafter(speculative, self.model)
+        self.drafter = drafter if drafter is not None or speculative is None else make_proposer(speculative, self.model)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "draft_calls": 0,
                            "plain_decodes": 0}
         self.policy = SpecPolicy(self.spec_stats)  # whether, with what and how deep to draft
@@ -426,7 +426,7 @@ class Engine:
         An adaptive rollout picks the config per step this way."""
         with self._step_lock:
             if config is not None and self.drafter is None:
-                self.drafter = make_drafter(config, self.model)
+                self.drafter = make_proposer(config, self.model)
             if config is not None and hasattr(self.drafter, "topk"):
                 self.drafter.topk, self.drafter.depth = config.eagle_topk, config.num_speculative_tokens
                 self.drafter.total = config.lookahead

@@ -48,7 +48,7 @@ class _Seq:
     at: int = 0  # sequence length when it was drafted
 
 
-class SuffixDrafter:
+class SuffixProposer:
     """Drafts from per-prompt and recent-output suffix tries (see the module docstring)."""
 
     def __init__(self, *, cache_tokens: int = 1 << 18, max_depth: int = 24, history_steps: int | None = None,
@@ -77,7 +77,7 @@ class SuffixDrafter:
         self._accepted = [1.0] * _BUCKETS
         self.stats = {"drafts": 0, "drafted": 0, "accepted": 0, "evicted_tokens": 0}
 
-    # ---- the Drafter interface ----
+    # ---- the Proposer interface ----
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return [Draft() if t is None else t.as_draft() for t in self.trees(requests)]

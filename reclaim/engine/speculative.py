@@ -3,10 +3,12 @@
 A step with speculation gives each chosen decode a row of [pending token, d_1, ..., d_L]; one
 target forward verifies the draft and a lossless rule (engine/rejection.py) accepts a prefix, so
 outputs are those of plain decoding. The policy that decides when and how deep to draft is
-engine/spec_policy.py; the proposers are engine/drafters.py (which builds them), eagle.py,
-eagle3.py, suffix.py and history.py, and `NgramDrafter` here.
+engine/spec_policy.py; the proposers are engine/proposers.py (which builds them), eagle.py,
+eagle3.py, suffix.py and history.py, and `NgramProposer` here.
 
-Drafters share one small interface: `propose` returns each sequence's draft tokens (and q),
+Names: a *Proposer is what the engine asks for drafts (this interface); a *Drafter is a model
+(an nn.Module, models/drafter.py, models/eagle3.py) that an EAGLE proposer runs. Proposers share
+one small interface: `propose` returns each sequence's draft tokens (and q),
 `observe` is handed the target's final hidden states of every position it computed and kept
 (EAGLE drafts from them), `release` forgets a sequence.
 """
@@ -184,7 +186,7 @@ class Draft:
                      None if self.parents is None else self.parents[:n])
 
 
-class Drafter(Protocol):
+class Proposer(Protocol):
     """What the engine needs from a drafter."""
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -205,7 +207,7 @@ class Drafter(Protocol):
         ...
 
 
-class NgramDrafter:
+class NgramProposer:
     """Prompt lookup: the longest recent suffix (prompt_lookup_max down to _min tokens) that occurred
     earlier in the sequence proposes what followed its latest earlier occurrence. No model."""
 

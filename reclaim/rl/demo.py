@@ -50,7 +50,7 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
               steps: int = 2, threshold: int = 2) -> dict[str, Any]:
     """`steps` GRPO steps on a copy of `model` with adaptive speculative rollouts, printed to `out`
     (stdout); returns the last step's metrics and the run's seconds."""
-    from reclaim.engine.drafters import make_drafter
+    from reclaim.engine.proposers import make_proposer
     from reclaim.engine.engine import Engine
     from reclaim.models.tokenizer import encode_chat
     from reclaim.optim import adamw
@@ -71,7 +71,7 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     served = copy.deepcopy(model).eval()
     engine = Engine(served, tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
                     max_model_len=max(map(len, prompts)) + cfg.max_completion_length,
-                    drafter=make_drafter(spec_arms(cfg)[-1], served))
+                    drafter=make_proposer(spec_arms(cfg)[-1], served))
     opt = adamw(list(policy.parameters()), lr=cfg.learning_rate)
     eos = set(engine.eos_token_ids)
     spec = {"eagle": "eagle, the default model's drafter", "suffix": "suffix, drafted from the group's other "

@@ -168,16 +168,16 @@ def _open_engine(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, max_le
                                eval_depth=max(cfg.spec_depths))
         if last is not None and (last / "drafter").exists():
             online.load(last, served)
-    from reclaim.engine.drafters import HybridDrafter, history_drafter, make_drafter
+    from reclaim.engine.proposers import HybridProposer, history_proposer, make_proposer
 
     drafter = online.proposer(served) if online is not None else None
     if drafter is not None and cfg.speculative.startswith("hybrid"):  # the online EAGLE drafter beside the history
         arm = speculative_arm(cfg, None)
-        drafter = HybridDrafter(history_drafter(arm), drafter, model_tokens=arm.hybrid_eagle_tokens)
+        drafter = HybridProposer(history_proposer(arm), drafter, model_tokens=arm.hybrid_eagle_tokens)
     if drafter is None and cfg.speculative != "none":
         # Built now, so it follows every sequence from its prefill; one made in the tail could not
         # draft for sequences it has not seen.
-        drafter = make_drafter(spec_arms(cfg)[-1], served)
+        drafter = make_proposer(spec_arms(cfg)[-1], served)
     engine = Engine(served, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len, seed=cfg.seed,
                     drafter=drafter)
     return engine, online

@@ -168,7 +168,7 @@ def test_sampled_drafts_carry_q_over_the_whole_vocabulary(trained):
 def test_the_engine_speculating_with_eagle3_equals_plain(trained, tmp_path, method, topk):
     """`--speculative eagle3:PATH` end to end (and hybrid:PATH with an EAGLE-3 directory: the
     history drafter's tree merged with EAGLE-3's chain)."""
-    from reclaim.engine.drafters import HybridDrafter
+    from reclaim.engine.proposers import HybridProposer
     from reclaim.engine.engine import Engine
 
     target, drafter = trained
@@ -180,6 +180,6 @@ def test_the_engine_speculating_with_eagle3_equals_plain(trained, tmp_path, meth
                              num_draft_tokens=6 if topk > 1 or method == "hybrid" else None, dynamic_depth=False)
     eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=4, speculative=spec)
     proposer = eng.drafter.model if method == "hybrid" else eng.drafter
-    assert isinstance(proposer, Eagle3Proposer) and isinstance(eng.drafter, (HybridDrafter, Eagle3Proposer))
+    assert isinstance(proposer, Eagle3Proposer) and isinstance(eng.drafter, (HybridProposer, Eagle3Proposer))
     assert [o.token_ids for o in eng.generate(ps, params)] == want
     assert eng.stats()["spec_accepted"] > 0

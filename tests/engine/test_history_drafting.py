@@ -9,10 +9,10 @@ import torch
 
 import reclaim.engine.runner as runner_module
 from engine_helpers import make_pair
-from reclaim.engine.drafters import HybridDrafter, history_drafter, merge
+from reclaim.engine.proposers import HybridProposer, history_proposer, merge
 from reclaim.engine.eagle import EagleProposer
 from reclaim.engine.engine import Engine
-from reclaim.engine.history import SuffixDrafter
+from reclaim.engine.history import SuffixProposer
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import Draft, SpeculativeConfig
 from reclaim.models.drafter import new_drafter
@@ -29,7 +29,7 @@ def _hybrid(target, seed=2):
     with torch.no_grad():  # lean on the token embedding, so some EAGLE drafts land
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, : target.config.hidden_size] = torch.eye(target.config.hidden_size) * 3
-    return HybridDrafter(history_drafter(HYBRID), EagleProposer(drafter, target, depth=3),
+    return HybridProposer(history_proposer(HYBRID), EagleProposer(drafter, target, depth=3),
                          model_tokens=HYBRID.hybrid_eagle_tokens)
 
 
@@ -93,7 +93,7 @@ def test_sampled_history_drafts_match_plain_distribution(rule, monkeypatch):
     if rule == "wrong":
         monkeypatch.setattr(runner_module, "accept", _near_miss)
     spec = dataclasses.replace(SUFFIX, num_speculative_tokens=3, dynamic_depth=False)  # every decode drafts
-    assert _joint_chi2_passes(target, SuffixDrafter(), spec=spec) == (rule == "right")
+    assert _joint_chi2_passes(target, SuffixProposer(), spec=spec) == (rule == "right")
 
 
 def test_sampled_hybrid_tree_matches_plain_distribution():

@@ -10,7 +10,7 @@ import torch
 from engine_helpers import TINY, make_pair
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.speculative import Draft, DraftRequest, NgramDrafter, SpeculativeConfig
+from reclaim.engine.speculative import Draft, DraftRequest, NgramProposer, SpeculativeConfig
 from reclaim.engine.rejection import accept
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64, prompt_lookup_max=3)
@@ -210,7 +210,7 @@ def test_engine_sampled_speculative_matches_plain_distribution():
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
-    d = NgramDrafter(1, 3)
+    d = NgramProposer(1, 3)
     req = lambda ids, k: DraftRequest("s", ids, k, SamplingParams())  # noqa: E731
     assert d.propose([req([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3)])[0].tokens == [7, 1, 2]
     assert d.propose([req([4, 5, 6], 3)])[0].tokens == []
@@ -358,11 +358,11 @@ def test_dynamic_depth_stops_paying_for_a_drafter_that_misses(tiny):
     """A drafter whose tokens are never right: with dynamic depth most decodes run plain (its
     probes still verify now and then), with the same greedy output; without it, every decode
     verifies a draft."""
-    from reclaim.engine.speculative import Drafter
+    from reclaim.engine.speculative import Proposer
 
     ours, _ = tiny
 
-    class Wrong(Drafter):
+    class Wrong(Proposer):
         def propose(self, requests):
             return [Draft([(r.token_ids[-1] + 1) % TINY["vocab_size"]] * r.max_tokens) for r in requests]
 

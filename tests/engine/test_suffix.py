@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from reclaim.engine.history import SuffixDrafter
+from reclaim.engine.history import SuffixProposer
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import DraftRequest
 from reclaim.engine.suffix import SuffixIndex
@@ -145,7 +145,7 @@ def _ask(seq_id, ids, prompt, k=8, cost=0.0):
 def test_drafter_drafts_a_finished_siblings_continuation_and_earlier_rounds_until_the_window():
     prompt = [7, 7, 1]
     done = prompt + [2, 3, 4, 5, 6, 8, 9]
-    d = SuffixDrafter(history_steps=1, max_depth=8)
+    d = SuffixProposer(history_steps=1, max_depth=8)
     d.finish("a", done, len(prompt))
     d.release("a")
     got = d.propose([_ask("b", prompt + [2, 3], len(prompt))])[0]
@@ -158,7 +158,7 @@ def test_drafter_drafts_a_finished_siblings_continuation_and_earlier_rounds_unti
 
 
 def test_drafter_keeps_at_most_cache_tokens_of_finished_sequences_oldest_prompt_first():
-    d = SuffixDrafter(cache_tokens=100, max_depth=8)
+    d = SuffixProposer(cache_tokens=100, max_depth=8)
     rng = random.Random(0)
     for i in range(30):
         ids = [rng.randrange(50) for _ in range(20)]
@@ -168,11 +168,11 @@ def test_drafter_keeps_at_most_cache_tokens_of_finished_sequences_oldest_prompt_
         assert mem["kept_tokens"] <= 100 and mem["tokens"] <= 100
     assert d.memory()["prompts"] <= 5 and d.stats["evicted_tokens"] == 30 * 40 - d.memory()["kept_tokens"]
     with pytest.raises(ValueError, match="cache_tokens=0; allowed: >= 1"):
-        SuffixDrafter(cache_tokens=0)
+        SuffixProposer(cache_tokens=0)
 
 
 def test_drafter_costs_cut_drafts_that_do_not_pay():
-    d = SuffixDrafter(max_depth=8)
+    d = SuffixProposer(max_depth=8)
     d.finish("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 1)
     d.finish("b", [1, 2, 3, 9, 9, 9], 1)
     cheap = d.propose([_ask("c", [1, 2, 3], 1, cost=0.01)])[0]

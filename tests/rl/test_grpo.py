@@ -372,11 +372,11 @@ def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_di
 
     target, tok = load_model(tiny_model_dir)
     drafter = save_drafter(new_drafter(target), tmp_path / "drafter")
-    from reclaim.engine.drafters import HybridDrafter
-    from reclaim.engine.history import SuffixDrafter
+    from reclaim.engine.proposers import HybridProposer
+    from reclaim.engine.history import SuffixProposer
 
-    for spec, kind in ((f"eagle:{drafter}", EagleProposer), ("none", type(None)), ("suffix", SuffixDrafter),
-                       (f"hybrid:{drafter}", HybridDrafter)):
+    for spec, kind in ((f"eagle:{drafter}", EagleProposer), ("none", type(None)), ("suffix", SuffixProposer),
+                       (f"hybrid:{drafter}", HybridProposer)):
         cfg = GRPOConfig(model=str(tiny_model_dir), speculative=spec, spec_depths=[3], adaptive=False)
         engine, online = _open_engine(cfg, target, tok, 128, None)
         assert isinstance(engine.drafter, kind) and online is None and engine.speculative is None

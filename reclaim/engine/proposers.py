@@ -1,6 +1,6 @@
 """The drafter a speculative config names, and the hybrid one that merges two drafters' drafts.
 
-`HybridDrafter` asks the history drafter (suffix) for its draft and the EAGLE drafter for a
+`HybridProposer` asks the history drafter (suffix) for its draft and the EAGLE drafter for a
 chain (or tree) of its most likely tokens, and merges them into one tree per sequence: shared
 prefixes once, the history draft's branches first. The model drafter is EAGLE-1/2 or
 EAGLE-3 (whichever layout the directory holds). Every token is deterministic (EAGLE's are its
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from reclaim.engine.history import SuffixDrafter
+from reclaim.engine.history import SuffixProposer
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.speculative import Draft, Drafter, DraftRequest, NgramDrafter, SpeculativeConfig
+from reclaim.engine.speculative import Draft, Proposer, DraftRequest, NgramProposer, SpeculativeConfig
 
 HYBRID_MODES = ("suffix", "eagle", "hybrid")
 _GREEDY = SamplingParams(temperature=0.0)
@@ -47,10 +47,10 @@ def merge(first: Draft, second: Draft, budget: int) -> Draft:
     return Draft(tokens[:budget], None, None if chain else parents[:budget])
 
 
-class HybridDrafter:
+class HybridProposer:
     """History and EAGLE drafts merged into one verify tree per sequence (see module docstring)."""
 
-    def __init__(self, history: SuffixDrafter, model: Any, *, model_tokens: int, confident: float = 0.7) -> None:
+    def __init__(self, history: SuffixProposer, model: Any, *, model_tokens: int, confident: float = 0.7) -> None:
         self.history, self.model, self.model_tokens, self.confident = history, model, model_tokens, confident
         self.aux_layers = getattr(model, "aux_layers", None)  # EAGLE-3 observes these layers' input states
         self.mode = "hybrid"
@@ -103,18 +103,18 @@ class HybridDrafter:
         return self.history.memory()
 
 
-def history_drafter(cfg: SpeculativeConfig) -> SuffixDrafter:
-    return SuffixDrafter(cache_tokens=cfg.suffix_cache_tokens, max_depth=cfg.suffix_max_tree_depth,
+def history_proposer(cfg: SpeculativeConfig) -> SuffixProposer:
+    return SuffixProposer(cache_tokens=cfg.suffix_cache_tokens, max_depth=cfg.suffix_max_tree_depth,
                          history_steps=cfg.suffix_history_steps, branch=cfg.suffix_topk,
                          spec_factor=cfg.suffix_max_spec_factor, min_prob=cfg.suffix_min_token_prob)
 
 
-def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) -> Drafter:
+def make_proposer(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) -> Proposer:
     """The drafter a config names (eagle and hybrid load their EAGLE drafter for `target`)."""
     if cfg.method == "ngram":
-        return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "suffix":
-        return history_drafter(cfg)
+        return history_proposer(cfg)
     if cfg.method in ("eagle", "eagle3"):
         return model_proposer(cfg.model, target, cfg.method, topk=cfg.eagle_topk, depth=cfg.num_speculative_tokens,
                               total=cfg.lookahead)
@@ -122,7 +122,7 @@ def make_drafter(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) 
 
     model = model_proposer(cfg.model, target, drafter_layout(cfg.model), topk=cfg.eagle_topk,
                            depth=cfg.hybrid_eagle_tokens, total=cfg.hybrid_eagle_tokens * cfg.eagle_topk)
-    return HybridDrafter(history_drafter(cfg), model, model_tokens=cfg.hybrid_eagle_tokens)
+    return HybridProposer(history_proposer(cfg), model, model_tokens=cfg.hybrid_eagle_tokens)
 
 
 def model_proposer(path: str, target: torch.nn.Module, layout: str, **tree: int) -> Any:
