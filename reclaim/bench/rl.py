@@ -177,8 +177,8 @@ def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any,
     # speculating arms' engines get theirs at the start (the one training uses), so the check
     # compares drafted tokens.
     drafter = make_proposer(spec_arms(cfg)[-1], model) if cfg.speculative != "none" else None
-    engine = Engine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
-                    max_model_len=max(len(p) for p in prompts) + cfg.max_completion_length, drafter=drafter)
+    engine = Engine(model, tokenizer, cfg.engine_config(max(len(p) for p in prompts) + cfg.max_completion_length),
+                    drafter=drafter)
     params = [SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length)] * len(prompts)
     outs, stats = runner.generate(engine, prompts, params)
     return [list(o.token_ids) for o in outs], stats.spec.get("verifies", 0)
@@ -580,8 +580,7 @@ def greedy_accuracy(model_dir: str | Path | None, cfg: Any, rows: list[dict[str,
 
     model, tok = load_model(model_dir, dtype=cfg.dtype, device=cfg.device)
     prompts = [encode_chat(tok, r["prompt"])[-(cfg.max_prompt_length or 10**9):] for r in rows]
-    engine = Engine(model, tok, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
-                    max_model_len=max(len(p) for p in prompts) + cfg.max_completion_length)
+    engine = Engine(model, tok, cfg.engine_config(max(len(p) for p in prompts) + cfg.max_completion_length))
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length))
     texts = [[{"role": "assistant", "content": o.text}] for o in outs]

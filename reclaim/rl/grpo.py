@@ -178,8 +178,7 @@ def _open_engine(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, max_le
         # Built now, so it follows every sequence from its prefill; one made in the tail could not
         # draft for sequences it has not seen.
         drafter = make_proposer(spec_arms(cfg)[-1], served)
-    engine = Engine(served, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_len, seed=cfg.seed,
-                    drafter=drafter)
+    engine = Engine(served, tokenizer, cfg.engine_config(max_len), drafter=drafter)
     return engine, online
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from reclaim.data.tasks import RG_PREFIX, TASK_FAMILIES, rg_names, rg_tasks
+from reclaim.engine.config import EngineConfig
 from reclaim.engine.speculative import SPECULATIVE_METHODS as SPEC_METHODS
 from reclaim.rl.loss import LOSS_TYPES, SCALE_REWARDS
 from reclaim.schedule import SCHEDULES
@@ -44,6 +45,9 @@ class GRPOConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_num_seqs: int = 64  # sequences the engine decodes at once
+    # The rollout engine's other EngineConfig fields (block_size, kv_cache_bytes, head, ...);
+    # max_num_seqs and seed are their own fields, max_model_len follows the lengths.
+    engine: dict[str, Any] = field(default_factory=dict)
     # Rewards.
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy", "format"])
     reward_weights: list[float] | None = None  # None: 1.0 each
@@ -101,6 +105,7 @@ class GRPOConfig:
     drafter_eval_samples: int = 4  # completions per step replayed for tau (online vs frozen); 0: none
 
     def __post_init__(self) -> None:
+        self.engine_config(None)  # refuses an unknown engine field or a bad value by name
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
@@ -186,6 +191,16 @@ class GRPOConfig:
     def num_warmup_steps(self) -> int:
         """transformers' rule: warmup_steps if set, else ceil(warmup_ratio * max_steps)."""
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
+
+    def engine_config(self, max_model_len: int | None) -> EngineConfig:
+        """The rollout engine's config: `engine`'s fields with max_num_seqs, seed and the context."""
+        owned = sorted({"max_num_seqs", "seed", "max_model_len", "speculative"} & set(self.engine))
+        if owned:
+            raise ValueError(f"engine: {owned} are set by GRPO (max_num_seqs and seed are their own fields); "
+                             f"allowed there: the other EngineConfig fields")
+        return EngineConfig().replace(**self.engine, max_num_seqs=self.max_num_seqs, seed=self.seed,
+                                      max_model_len=max_model_len)
+
 
 def task_names(task: str) -> list[str]:
     """The task families `task` names ("all", one, or several comma-separated; or reasoning-gym's
