@@ -212,7 +212,8 @@ def bench_rl(
 ) -> None:
     """GRPO steps with plain, static-speculative, adaptive (TLT), history-drafted (suffix) and hybrid
     rollouts, and TRL's GRPOTrainer."""
-    from reclaim.bench.rl import RLBenchSpec, goal_lines, held_out_accuracy, main, quick_spec
+    from reclaim.bench.rl import RLBenchSpec, goal_lines, main, quick_spec
+    from reclaim.bench.rl_accuracy import held_out_accuracy
 
     if accuracy is not None:
         try:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from reclaim.bench.rl import RLBenchSpec, held_out_accuracy, held_out_rows, main, quick_spec
+from reclaim.bench.rl import RLBenchSpec, main, quick_spec
+from reclaim.bench.rl_accuracy import held_out_accuracy, held_out_rows
 from reclaim.models.drafter import new_drafter, save_drafter
 from reclaim.models.loading import load_model
 
