@@ -164,3 +164,11 @@ def test_cycle_finder_reports_each_tangle_once_with_a_cycle_through_it():
     assert tangles(graph) == [["a", "b", "c"], ["e", "f"]]
     assert shortest_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
     assert tangles({"a": {"b": 1}, "b": {}}) == []
+
+
+MAX_LINES = 600  # one file, one job: a module past this is doing two
+
+
+def test_no_module_is_over_600_lines():
+    long = {name: n for name, path in files().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
