@@ -1,7 +1,8 @@
 """The GRPO part of `reclaim demo`: two RL steps on the given model with adaptive speculative rollouts.
 
-The same pieces as `reclaim grpo` (grpo.py's rollout and loss; rollout.py's adaptive runner), sized to take seconds: one add_word prompt (data/tasks.py) with 4 sampled
-completions of at most 64 tokens per step, speculation whenever at most 2 are still decoding, the bandit choosing
+The same pieces as `reclaim grpo` (rollout.py's rollout and adaptive runner, grpo.py's training
+step), sized to take seconds: one add_word prompt (data/tasks.py) with 4 sampled completions of at
+most 64 tokens per step, speculation whenever at most 2 are still decoding, the bandit choosing
 plain or a draft depth there. It prints each step's rewards, rollout tokens/s, the time spent in
 the long tail and the drafts' acceptance, and leaves the caller's model unchanged.
 """
@@ -33,19 +34,6 @@ def demo_config(speculative: str = "suffix", steps: int = 2, threshold: int = 2)
                       output_dir="unused")
 
 
-def _backward(policy: torch.nn.Module, batch: Any, cfg: Any) -> float:
-    """The GRPO loss of the whole rollout as one micro-batch (the demo's batch is small), backpropagated."""
-    from reclaim.rl.logps import completion_logps
-    from reclaim.rl.loss import grpo_loss
-
-    logps, _ = completion_logps(policy, batch.prompt_ids, batch.completion_ids, cfg.temperature)
-    loss, _ = grpo_loss(logps.float(), batch.advantages, batch.mask[:, :logps.shape[1]], loss_type=cfg.loss_type,
-                        epsilon_low=cfg.epsilon_low, epsilon_high=cfg.upper_epsilon,
-                        num_items_in_batch=float(batch.mask.sum()), max_completion_length=cfg.max_completion_length)
-    loss.backward()
-    return loss.item()
-
-
 def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None, *, speculative: str = "suffix",
               steps: int = 2, threshold: int = 2) -> dict[str, Any]:
     """`steps` GRPO steps on a copy of `model` with adaptive speculative rollouts, printed to `out`
@@ -55,6 +43,8 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     from reclaim.models.tokenizer import encode_chat
     from reclaim.optim import adamw
     from reclaim.rl.data import build_dataset, prompt_rows
+    from reclaim.rl.distributed import World
+    from reclaim.rl.grpo import backward_step
     from reclaim.rl.rollout import rollout, rollout_runner, spec_arms
     from reclaim.rl.rewards import load_reward
 
@@ -85,7 +75,7 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
         batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg, funcs,
                         cfg.reward_funcs, eos, runner=runner)
         opt.zero_grad(set_to_none=True)
-        metrics = {**batch.metrics, "loss": _backward(policy, batch, cfg)}
+        metrics = {**batch.metrics, "loss": backward_step(policy, batch, cfg, World())["loss"]}
         metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
         opt.step()
         engine.update_weights(policy.state_dict())

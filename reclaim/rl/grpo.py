@@ -68,25 +68,28 @@ from reclaim.schedule import lr_scheduler
 
 # ---- the training step -------------------------------------------------------------------------
 
+def micro_batches(order: list[int], batch_size: int, accumulation: int, world: World) -> list[list[int]]:
+    """This rank's micro-batches (rows of the batch): the step has accumulation * world.size of
+    batch_size rows in `order`; rank r takes k * size + r, so the ranks together take what one
+    process accumulating all of them takes."""
+    picks = [k * world.size + world.rank for k in range(accumulation)]
+    return [order[j * batch_size:(j + 1) * batch_size] for j in picks]
+
+
 def _micro_batches(batch: RolloutBatch, cfg: GRPOConfig, world: World) -> list[list[int]]:
-    """This rank's micro-batches (rows of the batch): the step has gradient_accumulation_steps *
-    world.size of per_device_train_batch_size rows in `order`; rank r takes k * size + r, so the
-    ranks together take what one process accumulating all of them takes."""
-    b = cfg.per_device_train_batch_size
-    picks = [k * world.size + world.rank for k in range(cfg.gradient_accumulation_steps)]
-    return [batch.order[j * b:(j + 1) * b] for j in picks]
+    return micro_batches(batch.order, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, world)
 
 
-def precision(cfg: GRPOConfig, model: torch.nn.Module) -> torch.autocast:
-    """The training forwards' precision: bfloat16 autocast with cfg.bf16, else the weights' dtype."""
-    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+def precision(bf16: bool, model: torch.nn.Module) -> torch.autocast:
+    """The training forwards' precision: bfloat16 autocast with bf16, else the weights' dtype."""
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, world: World) -> torch.Tensor:
     """Log-probs [N, C] of the batch's completions under `model` (no grad), each rank computing
     the rows of its micro-batches, summed over ranks."""
     out = torch.zeros(batch.mask.shape)
-    with torch.no_grad(), precision(cfg, model):
+    with torch.no_grad(), precision(cfg.bf16, model):
         for idx in _micro_batches(batch, cfg, world):
             lp, _ = completion_logps(model, [batch.prompt_ids[i] for i in idx],
                                      [batch.completion_ids[i] for i in idx], cfg.temperature)
@@ -94,7 +97,7 @@ def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig,
     return world.sum_(out)
 
 
-def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, world: World) -> dict[str, float]:
+def backward_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, world: World) -> dict[str, float]:
     """This rank's micro-batches of the rollout through `model` (the DDP-wrapped policy under
     torchrun), backward each; DDP sums the gradients over ranks during the last one's backward (no
     optimizer step). Each micro-batch's loss is normalised to the whole step (all ranks'
@@ -110,7 +113,7 @@ def _optimizer_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig
         pick = lambda t: None if t is None else t[idx, :c].to(device)  # noqa: E731
         mask = pick(batch.mask)
         with accumulating(model, last=n == len(micro) - 1):
-            with precision(cfg, model):
+            with precision(cfg.bf16, model):
                 logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature,
                                               entropy=True)
             loss, sums = grpo_loss(logps.float(), batch.advantages[idx].to(device), mask, loss_type=cfg.loss_type,
@@ -162,7 +165,8 @@ def _open_engine(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, max_le
     if cfg.drafter_online:
         from reclaim.models.drafter import load_drafter
 
-        online = OnlineDrafter(load_drafter(drafter_path(cfg), served), buffer_tokens=cfg.drafter_buffer_tokens,
+        drafter = load_drafter(drafter_path(cfg.speculative), served)
+        online = OnlineDrafter(drafter, buffer_tokens=cfg.drafter_buffer_tokens,
                                lr=cfg.drafter_learning_rate, max_steps=cfg.drafter_max_steps_per_rollout,
                                seed=cfg.seed, eval_samples=cfg.drafter_eval_samples,
                                eval_depth=max(cfg.spec_depths))
@@ -284,7 +288,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             rec.update({k: v for k, v in batch.metrics.items() if not k.startswith(("rollout", "drafter/"))})
         opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter()
-        rec.update(_optimizer_step(policy, batch, cfg, world))
+        rec.update(backward_step(policy, batch, cfg, world))
         rec["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         rec["learning_rate"] = opt.param_groups[0]["lr"]
         opt.step()

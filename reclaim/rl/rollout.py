@@ -126,12 +126,12 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def drafter_path(cfg: GRPOConfig) -> str:
-    """The EAGLE drafter directory cfg.speculative names (eagle, hybrid: the bundled model's,
-    trained on first use)."""
-    method, _, path = cfg.speculative.partition(":")
+def drafter_path(speculative: str) -> str:
+    """The EAGLE drafter directory a `speculative` setting names (eagle, hybrid: the bundled
+    model's, trained on first use)."""
+    method, _, path = speculative.partition(":")
     if method not in MODEL_METHODS:
-        raise ValueError(f"speculative={cfg.speculative!r} has no EAGLE drafter")
+        raise ValueError(f"speculative={speculative!r} has no EAGLE drafter")
     if not path:
         from reclaim.drafter.bundled import default_drafter_dir
 
@@ -144,7 +144,8 @@ def speculative_arm(cfg: GRPOConfig, depth: int | None, method: str | None = Non
     draft depth `depth` (None: the method's default)."""
     own = cfg.speculative.partition(":")[0]
     method = method or own
-    return SpeculativeConfig(method=method, model=drafter_path(cfg) if own in MODEL_METHODS else None,
+    model = drafter_path(cfg.speculative) if own in MODEL_METHODS else None
+    return SpeculativeConfig(method=method, model=model,
                              num_speculative_tokens=depth, max_batch=cfg.spec_threshold,
                              suffix_history_steps=cfg.suffix_history_steps, suffix_cache_tokens=cfg.suffix_cache_tokens)
 

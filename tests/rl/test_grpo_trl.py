@@ -142,7 +142,6 @@ def test_bf16_mixed_precision_equals_trls(setup, tmp_path, one_thread):
     """bf16: True runs the training forward under bfloat16 autocast as TRL's bf16 does: the loss
     and gradient equal TRL's with bf16 within bf16 rounding, and differ from the float32 ones."""
     from reclaim.rl.grpo import precision
-    from reclaim.rl.grpo_config import GRPOConfig
 
     ours = setup[0]
     trainer = _trl_trainer(setup, tmp_path, loss_type="bnpo", bf16=True)
@@ -152,7 +151,7 @@ def test_bf16_mixed_precision_equals_trls(setup, tmp_path, one_thread):
     for bf16 in (True, False):
         ours.zero_grad(set_to_none=True)
         ours.train()
-        with precision(GRPOConfig(bf16=bf16), ours):
+        with precision(bf16, ours):
             logps, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE)
         loss, _ = grpo_loss(logps, advantages, mask, loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.2,
                             gradient_accumulation_steps=GA)
