@@ -1,6 +1,6 @@
 """The run directory every trainer shares: `checkpoint-{step}/` directories and a JSON-lines log.
 
-ssm-train, grpo and drafter train list their checkpoints and, on resume, drop the log lines
+ssm-train, grpo and drafter train write and list their checkpoints and, on resume, drop the log lines
 written after the checkpoint they continue from, the same way; this is that one way. GRPO's
 checkpoint (the policy, its trainer state as a torch.distributed.checkpoint, RNG, the pending
 rollout, the online drafter) is written and read here too.
@@ -29,6 +29,26 @@ def checkpoints(output_dir: str | os.PathLike, require: str | None = None) -> li
              if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()
              and (require is None or (p / require).is_file())]
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def save_checkpoint(output_dir: Path, step: int, save_model: Callable[[Path], Any], optimizer: Any, scheduler: Any,
+                    state: dict[str, Any], *, optimizer_file: str = "optimizer.pt",
+                    moved: dict[str, Path] | None = None) -> Path:
+    """checkpoint-{step}/ written atomically: save_model(dir) (the model in its layout, first, while
+    the directory is empty: saving may replace it), the optimizer, the scheduler and
+    trainer_state.json. moved: files written elsewhere (other ranks' optimizer states) to move in,
+    by their name there. ssm-train and drafter train save through this; GRPO's is below."""
+    from reclaim.storage import atomic_dir
+
+    def write(tmp: Path) -> None:
+        save_model(tmp)
+        torch.save(optimizer.state_dict(), tmp / optimizer_file)
+        for name, src in (moved or {}).items():
+            os.replace(src, tmp / name)
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+
+    return atomic_dir(Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}", write)
 
 
 def trim_log(path: Path, step: int) -> None:

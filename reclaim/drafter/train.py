@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, trim_log
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, save_checkpoint, trim_log
 from reclaim.data.tasks import check_source
 from reclaim.drafter.acceptance import greedy_acceptance
 from reclaim.drafter.data import DrafterBuffer, DrafterSample, HiddenRecorder
@@ -113,21 +113,6 @@ class DrafterTrainConfig:
     def num_warmup_steps(self) -> int:
         """transformers' rule: warmup_steps if set, else ceil(warmup_ratio * max_steps)."""
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
-
-
-def save_checkpoint(out: Path, step: int, drafter: EagleDrafter, optimizer, scheduler,
-                    state: dict[str, Any], save: Callable[[Any, Path], Path] = save_drafter) -> Path:
-    """checkpoint-{step}/: the drafter in its layout (`save`: EAGLE's by default), optimizer,
-    scheduler and trainer_state.json, written atomically."""
-    from reclaim.storage import atomic_dir
-
-    def write(tmp: Path) -> None:
-        save(drafter, tmp)  # first, while tmp is still empty (saving replaces it)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-
-    return atomic_dir(out / f"{CHECKPOINT_PREFIX}{step}", write)
 
 
 def _place_final(drafter: EagleDrafter, out: Path, save: Callable[[Any, Path], Path] = save_drafter) -> None:
@@ -293,7 +278,7 @@ def fit(cfg: DrafterTrainConfig, out: Path, *, new: Callable[[], Any], load: Cal
         if (cfg.save_steps and s % cfg.save_steps == 0) or s == cfg.max_steps:
             state = {"global_step": s, "max_steps": cfg.max_steps, "log_history": history,
                      "config": config_dict}
-            save_checkpoint(out, s, drafter, opt, sched, state, save)
+            save_checkpoint(out, s, lambda tmp: save(drafter, tmp), opt, sched, state)
             if cfg.save_total_limit:
                 for old in checkpoints(out)[:-cfg.save_total_limit]:
                     shutil.rmtree(old, ignore_errors=True)

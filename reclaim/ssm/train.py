@@ -29,13 +29,14 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, trim_log
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, save_checkpoint, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
 from reclaim.ssm.adjoint import RECOMPUTE, adjoint_loss_backward, aligned_labels, chunk_bounds
 
@@ -192,28 +193,16 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
                 raise ValueError(f"checkpoint {str(path)!r} has no tensor {name!r}") from e
 
 
-def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler,
-                    state: dict[str, Any], tokenizer: Any = None, *,
-                    optimizer_file: str = "optimizer.pt",
-                    moved: dict[str, Path] | None = None) -> Path:
-    """Write checkpoint-{step}/ (HF model dir + optimizer + scheduler + trainer_state.json) atomically.
-
-    moved: files written elsewhere (other ranks' optimizer states) to move in, by their name there.
-    """
+def _model_writer(model: Any, tokenizer: Any) -> Callable[[Path], None]:
+    """How a checkpoint writes the model: the Mamba HF directory, with the tokenizer if there is one."""
     from reclaim.models.mamba import write_mamba
-    from reclaim.storage import atomic_dir
 
     def write(tmp: Path) -> None:
         write_mamba(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / optimizer_file)
-        for name, src in (moved or {}).items():
-            os.replace(src, tmp / name)
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
-    return atomic_dir(output_dir / f"{CHECKPOINT_PREFIX}{step}", write)
+    return write
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -297,7 +286,7 @@ def _save(cfg: SSMTrainConfig, ranks: Ranks, out: Path, step: int, model, opt, s
 
     if cfg.sharding != "layer":
         if ranks.rank == 0:
-            save_checkpoint(out, step, model, opt, sched, state, tokenizer)
+            save_checkpoint(out, step, _model_writer(model, tokenizer), opt, sched, state)
     else:
         staged = {f"optimizer-rank{r}.pt": out / f".optimizer-rank{r}-step{step}.pt"
                   for r in range(1, ranks.world)}
@@ -305,7 +294,7 @@ def _save(cfg: SSMTrainConfig, ranks: Ranks, out: Path, step: int, model, opt, s
             torch.save(opt.state_dict(), staged[_optimizer_file(cfg, ranks)])
         with parallel.gathered_weights(model, ranks.rank, ranks.world) as full:
             if full:  # the gather also means every rank's optimizer file is written
-                save_checkpoint(out, step, model, opt, sched, state, tokenizer,
+                save_checkpoint(out, step, _model_writer(model, tokenizer), opt, sched, state,
                                 optimizer_file=_optimizer_file(cfg, ranks), moved=staged)
     if ranks.world > 1:
         import torch.distributed as dist
