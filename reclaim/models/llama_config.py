@@ -35,7 +35,8 @@ HARMLESS_KEYS = frozenset({
 # Keys that are harmless only at these values (anything else changes the model and is refused).
 # attention_dropout: transformers drops attention weights only in training; reclaim trains this
 # model too and has no attention dropout, so only 0 is honoured. pruned_heads: none pruned.
-HARMLESS_VALUES = {"attention_dropout": (0, 0.0), "pruned_heads": ({}, None)}
+# use_mrope: Qwen2.5's config.json says false (multimodal RoPE is Qwen2-VL's).
+HARMLESS_VALUES = {"attention_dropout": (0, 0.0), "pruned_heads": ({}, None), "use_mrope": (False, None)}
 # Resolved into `sliding_window` by LlamaConfig.from_hf (Qwen's per-layer window switches).
 WINDOW_KEYS = ("use_sliding_window", "max_window_layers", "layer_types")
 
