@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 # Two workers (the CI box has two cores): 870 tests in 3 min 39 s beside another job here, 4 min 24 s on one.
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test-slow: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -84,9 +84,12 @@ class TrainerState:
         self.scheduler.load_state_dict(sd["scheduler"])
 
 
-def save_grpo_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer: Any, optimizer, scheduler,
-                    state: dict[str, Any], batch: Any | None, online: Any | None, world: Any) -> Path:
-    """checkpoint-{step}/: the policy (HF layout), dcp/ (TrainerState, every rank writing its share),
+def save_grpo_checkpoint(out: Path, step: int, model: torch.nn.Module, full: torch.nn.Module, tokenizer: Any,
+                         optimizer, scheduler, state: dict[str, Any], batch: Any | None, online: Any | None,
+                         world: Any) -> Path:
+    """checkpoint-{step}/: the policy in HF layout (from `full`, a plain module with the policy's
+    full weights, as the rollout engine's copy is: `model` may be sharded), dcp/ (TrainerState of
+    `model`, every rank writing its share),
     RNG states, the rollout still being trained on (num_iterations > 1), the online drafter
     (drafter/, drafter_state.pt) and trainer_state.json (last). Every rank calls it; rank 0 builds
     the directory under a temp name and renames it into place once all is written, so a crash
@@ -104,7 +107,7 @@ def save_grpo_checkpoint(out: Path, step: int, model: torch.nn.Module, tokenizer
         return path
 
     def write(tmp: Path) -> None:
-        save_model(model, tokenizer, tmp)  # first, while tmp is empty (it replaces the directory)
+        save_model(full, tokenizer, tmp)  # first, while tmp is empty (it replaces the directory)
         _dcp(dcp.save, trainer, world.broadcast(tmp / DCP_DIR, src=0), world)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng_state.pt")
         if batch is not None:

@@ -116,6 +116,24 @@ class FullWeights(Mapping):
         return len(self._sd)
 
 
+def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's local shard; plain tensors whole; None: 0)."""
+    total = 0
+    for t in tensors:
+        if t is not None:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total
+
+
+def training_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of the policy's parameters, gradients and optimizer state, as held now."""
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return {"params_bytes": local_bytes(params), "grads_bytes": local_bytes(p.grad for p in params),
+            "optimizer_bytes": local_bytes(state)}
+
+
 def shard_rows(rows: int, world_size: int, rank: int) -> int:
     """Rows of a dim-0 size `rows` that rank `rank` holds: torch.chunk's split, which FSDP2 uses
     (chunks of ceil(rows / N); the last ranks may hold fewer, or none)."""

@@ -114,6 +114,7 @@ def test_bundled_configs_load_by_name_or_path():
     assert (tiny.d_model, tiny.context_length) == (64, 512)
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_bundled_configs(tmp_path):
     """A normal (non-editable) install gets the configs `reclaim demo` and the README use."""
     src = tmp_path / "src"  # a copy: building writes build/ and *.egg-info beside the sources

@@ -51,6 +51,7 @@ madvise_thp = pytest.mark.skipif(not THP.exists() or "[madvise]" not in THP.read
                                         "plain malloc would fault as little or as much")
 
 
+@pytest.mark.slow
 @glibc
 @madvise_thp
 def test_fresh_tensor_memory_faults_far_less():
@@ -62,6 +63,7 @@ def test_fresh_tensor_memory_faults_far_less():
     assert plain > 60_000 and huge * 10 < plain, (plain, huge)  # 256 MiB: 65,536 pages of 4 KiB
 
 
+@pytest.mark.slow
 @glibc
 @madvise_thp
 def test_freed_memory_is_reused_without_faults():

@@ -10,9 +10,9 @@ the gradients once per optimizer step, while the last micro-batch's backward run
 by default; GRPO's losses are already normalised to the global batch, so a comm hook sums
 instead, the arithmetic of one process accumulating every rank's micro-batches. Every rank then
 takes the same optimizer step, so the replicas never drift and the rollout engine reads full
-weights from the plain module (`.module`). DDP rather than FSDP2's `fully_shard` (which also runs
-on gloo): sharding the policy would make every rank all-gather the weights for its engine after
-each step, and the models GRPO trains here fit on each rank whole.
+weights from the plain module (`.module`). With `parallelism: fsdp` the policy is sharded instead
+(reclaim/fsdp.py, FSDP2's `fully_shard`, also on gloo): each rank holds 1/N of it, its gradients
+and optimizer state, and every rank gathers the full weights for its engine after each step.
 """
 
 from __future__ import annotations
@@ -142,10 +142,14 @@ class World:
 
 
 def accumulating(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """Around a micro-batch's forward and backward: DDP's `no_sync()` unless it is the optimizer
-    step's last, so the gradients are reduced once per step."""
+    """Around a micro-batch's forward and backward: DDP's `no_sync()` (FSDP2's gradient sync
+    switched off) unless it is the optimizer step's last, so the gradients are reduced once per step."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from reclaim import fsdp
+
+    if fsdp.is_sharded(model):
+        return fsdp.accumulating(model, last)
     return model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
 
 

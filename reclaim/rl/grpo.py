@@ -55,6 +55,9 @@ from reclaim.checkpoints import (
     CHECKPOINT_PREFIX, TRAINER_STATE, checkpoints, load_trainer_state, save_grpo_checkpoint, trim_log,
 )
 from reclaim.drafter.online import OnlineDrafter
+from reclaim.fsdp import (
+    FullWeights, checkpoint_layers, clip_grad_norm_, decoder_layers, parallelize, training_bytes,
+)
 from reclaim.optim import adamw
 from reclaim.rl.data import build_dataset, prompt_rows
 from reclaim.rl.distributed import World, accumulating
@@ -154,13 +157,31 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
         world.close()
 
 
-def _open_engine(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, max_len: int,
+def _parallelize(model: torch.nn.Module, ref: torch.nn.Module | None, cfg: GRPOConfig,
+                 world: World) -> torch.nn.Module:
+    """The policy to train, per cfg.parallelism: under fsdp `model` sharded in place (and the
+    reference model beside it, without gradients), under ddp `model` in DDP (one process: itself);
+    with gradient_checkpointing each decoder layer reruns its forward in the backward."""
+    if cfg.parallelism == "fsdp" and world.size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(world.device.type, (world.size,))
+        if ref is not None:
+            parallelize(ref, mesh, bf16=cfg.bf16, cpu_offload=cfg.fsdp_cpu_offload)
+        return parallelize(model, mesh, bf16=cfg.bf16, cpu_offload=cfg.fsdp_cpu_offload,
+                           gradient_checkpointing=cfg.gradient_checkpointing)
+    if cfg.gradient_checkpointing:
+        checkpoint_layers(model)
+    return world.data_parallel(model)
+
+
+def _open_engine(cfg: GRPOConfig, served: torch.nn.Module, tokenizer: Any, max_len: int,
                  last: Path | None) -> tuple[Any, OnlineDrafter | None]:
-    """The rollout engine on a copy of the policy; with drafter_online, its EAGLE drafter is the
-    online one (the checkpoint's on resume; the frozen copy is always the configured drafter)."""
+    """The rollout engine on `served`, the rank's full copy of the policy; with drafter_online, its
+    EAGLE drafter is the online one (the checkpoint's on resume; the frozen copy is always the
+    configured drafter)."""
     from reclaim.engine.engine import Engine
 
-    served = copy.deepcopy(model)
     online = None
     if cfg.drafter_online:
         from reclaim.models.drafter import load_drafter
@@ -219,10 +240,13 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     model, tokenizer = load_model(last or cfg.model, dtype=dtype, device=cfg.device)
     if tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer files; prompts need its chat template")
+    if cfg.parallelism == "fsdp":
+        decoder_layers(model)  # a model FSDP cannot shard is refused on every rank, before any collective
     ref = None
     if cfg.beta > 0:  # the starting model, also on resume
         ref = load_model(cfg.model, dtype=dtype, device=cfg.device)[0] if last else copy.deepcopy(model)
         ref.requires_grad_(False)
+    served = copy.deepcopy(model)  # the rollout engine's full weights (each rank rolls out its share)
     prompts = [encode_chat(tokenizer, r["prompt"]) for r in rows]
     if cfg.max_prompt_length is not None:
         prompts = [p[-cfg.max_prompt_length:] for p in prompts]
@@ -231,13 +255,14 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     if max(len(p) for p in prompts) >= max_len:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room to generate within the "
                          f"model's {limit} positions; lower max_prompt_length")
+    policy = _parallelize(model, ref, cfg, world)  # trains; under ddp `model` is its module, whose weights
     opt = adamw(list(model.parameters()), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                 eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
     if last is not None:
         load_trainer_state(last, model, opt, sched, world)
-    policy = world.data_parallel(model)  # trains; the engine and the checkpoints read `model`, its weights
-    engine, online = _open_engine(cfg, model, tokenizer, max_len, last)
+        served.load_state_dict(FullWeights(model))
+    engine, online = _open_engine(cfg, served, tokenizer, max_len, last)
     eos = set(engine.eos_token_ids)
     decisions = out / ("spec_decisions.jsonl" if main else f"spec_decisions-rank{world.rank}.jsonl")
 
@@ -289,12 +314,13 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter()
         rec.update(backward_step(policy, batch, cfg, world))
-        rec["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        rec["grad_norm"] = clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         rec["learning_rate"] = opt.param_groups[0]["lr"]
         opt.step()
+        rec.update({f"memory/{k}": v for k, v in training_bytes(model, opt).items()})  # this rank's share
         sched.step()
         opt.zero_grad(set_to_none=True)
-        rec["weights_version"] = engine.update_weights(model.state_dict())
+        rec["weights_version"] = engine.update_weights(FullWeights(model))  # fsdp: gathered layer by layer
         rec["train_s"] = time.perf_counter() - t_train
         # The drafter's tau replay is a measurement, not part of the step.
         rec["step_time"] = time.perf_counter() - t0 - rec.get("drafter/eval_s", 0.0)
@@ -315,7 +341,8 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
                      "log_window": window, "config": config_dict, "world_size": world.size}
             pending = batch if step % cfg.num_iterations else None
-            save_grpo_checkpoint(out, step, model, tokenizer, opt, sched, state, pending, online, world)
+            # The HF-layout policy is the engine's copy: the full weights of this very step.
+            save_grpo_checkpoint(out, step, model, engine.model, tokenizer, opt, sched, state, pending, online, world)
             if main and cfg.save_total_limit:
                 for old in checkpoints(out, require=TRAINER_STATE)[:-cfg.save_total_limit]:
                     shutil.rmtree(old, ignore_errors=True)

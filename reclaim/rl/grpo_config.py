@@ -10,6 +10,7 @@ from typing import Any
 from reclaim.data.tasks import RG_PREFIX, TASK_FAMILIES, rg_names, rg_tasks
 from reclaim.engine.config import EngineConfig
 from reclaim.engine.speculative import SPECULATIVE_METHODS as SPEC_METHODS
+from reclaim.fsdp import PARALLELISMS
 from reclaim.rl.loss import LOSS_TYPES, SCALE_REWARDS
 from reclaim.schedule import SCHEDULES
 
@@ -31,6 +32,12 @@ class GRPOConfig:
     bf16: bool = False
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
+    # Under torchrun: "ddp" (a replica per rank, gradients all-reduced) or "fsdp" (FSDP2's
+    # fully_shard per decoder layer and the root: 1/N of the policy, its gradients, the optimizer
+    # state and the reference model per rank; reclaim/fsdp.py). One process: no difference.
+    parallelism: str = "ddp"
+    fsdp_cpu_offload: bool = False  # fsdp: the shards and the optimizer state in host memory
+    gradient_checkpointing: bool = False  # transformers' name: each decoder layer reruns its forward in the backward
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
     task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, "all", or rg:<dataset>[,<dataset>]
     task_config: dict[str, dict[str, Any]] | None = None  # rg tasks: options per dataset, {chain_sum: {max_terms: 2}}
@@ -110,7 +117,7 @@ class GRPOConfig:
             self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         choices = [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("lr_scheduler_type", SCHEDULES),
-                   ("dtype", ("float32", "bfloat16", "float16", "auto"))]
+                   ("dtype", ("float32", "bfloat16", "float16", "auto")), ("parallelism", PARALLELISMS)]
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
@@ -132,6 +139,9 @@ class GRPOConfig:
             raise ValueError(f"need 0 < temperature <= 100 and 0 < top_p <= 1; got {self.temperature}, {self.top_p}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
+        if self.fsdp_cpu_offload and self.parallelism != "fsdp":
+            raise ValueError(f"fsdp_cpu_offload offloads FSDP's shards; it needs parallelism 'fsdp', "
+                             f"got parallelism={self.parallelism!r}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
         if not 0 <= self.warmup_ratio < 1:

@@ -11,6 +11,7 @@ import pytest
 from reclaim.bench.ssm import MODES, BenchSpec, main
 
 
+@pytest.mark.slow
 def test_bench_ssm_runs_every_mode_and_writes_json_and_png(tmp_path) -> None:
     spec = BenchSpec(d_model=16, n_layer=2, chunk_size=256, window=4096, loss_chunk=256,
                      cap_gib=4.0, contexts=[2048], reference_context=2048, threads=1)

@@ -132,6 +132,7 @@ def test_cli_trains_from_a_config_file(tmp_path) -> None:
     assert (out / "checkpoint-2" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun_equals_one_process(tmp_path, monkeypatch, one_thread) -> None:
     """`torchrun --nproc_per_node=2 -m reclaim.cli ssm-train --sharding layer` (truncated, each
     rank one layer) logs the losses of the same config trained in one process."""

@@ -1,0 +1,124 @@
+"""GRPO with `parallelism: fsdp` under torchrun (2 gloo ranks) equals one process (float64).
+
+The policy is sharded by FSDP2 (reclaim/fsdp.py): each rank holds half of every parameter, its
+gradients and AdamW state, and gathers the full weights into its rollout engine after each step.
+Two ranks, each rolling out and training on half of every step, must give the completions,
+rewards, losses, grad norms and final weights of one process accumulating both halves: without
+the reference model, and with it (beta > 0, the reference sharded too) plus gradient
+checkpointing and two micro-batches per rank (no reduce-scatter until the last). A checkpoint
+written by the two FSDP ranks resumes in one process, and one written by one process resumes on
+two FSDP ranks, each reproducing the uninterrupted run.
+
+Tolerance: 1e-9 relative (float64). The ranks' partial gradient sums are added in another order
+than one process adds its micro-batches, which moves the last bits (~1e-16 relative per step,
+grown by three AdamW steps at lr 1e-3 on a random model); a real difference is many orders larger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_helpers import make_tokenizer, tiny_target
+from test_grpo_distributed import ACCUM, EVEN, _same_run, fields
+from reclaim.config import load_config
+from reclaim.rl.grpo import train
+from reclaim.rl.grpo_config import GRPOConfig
+
+FSDP = {"parallelism": "fsdp"}
+REF = {"beta": 0.04, "gradient_checkpointing": True}
+
+
+def _run(root: Path, name: str, world: int, **kw) -> None:
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, name, world), **kw}), progress=False)
+
+
+def _worker(root: Path) -> None:
+    """One torchrun rank: the FSDP run, the FSDP run with the reference model (two micro-batches
+    per rank), and the one-process run resumed from its step-2 checkpoint."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    _run(root, "fsdp", 2, **FSDP)
+    _run(root, "fsdp-ref", 2, **FSDP, **REF, **{**ACCUM, "gradient_accumulation_steps": 2})
+    _run(root, "one-to-fsdp", 2, **FSDP, resume_from_checkpoint=True)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The tiny float64 model, the one-process runs (with and without the reference model) and the
+    two-rank FSDP runs."""
+    from reclaim.models.loading import save_model
+
+    root = tmp_path_factory.mktemp("grpo-fsdp")
+    tok = make_tokenizer()
+    save_model(tiny_target(len(tok)).double(), tok, root / "tiny")
+    (root / "even.py").write_text(EVEN)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run(root, "one", 1)
+        _run(root, "one-ref", 1, **REF, **ACCUM)
+    finally:
+        torch.set_num_threads(threads)
+    shutil.copytree(root / "one", root / "one-to-fsdp")
+    shutil.rmtree(root / "one-to-fsdp" / "checkpoint-3")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           __file__, str(root)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root
+
+
+def test_two_fsdp_ranks_equal_one_process(runs) -> None:
+    _same_run(runs / "one", runs / "fsdp")
+    assert (runs / "one" / "completions.jsonl").read_text() == (runs / "fsdp" / "completions.jsonl").read_text()
+    state = json.loads((runs / "fsdp" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["config"]["parallelism"] == "fsdp"
+    # Rank 0 holds its half (dim-0 chunks: the odd rows to rank 0) of the weights, gradients and AdamW state.
+    one, two = (json.loads((runs / r / "log.jsonl").read_text().splitlines()[-1]) for r in ("one", "fsdp"))
+    for k in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert 0.5 <= two[f"memory/{k}"] / one[f"memory/{k}"] < 0.52, k
+    assert one["memory/optimizer_bytes"] == 2 * one["memory/params_bytes"]  # AdamW: two moments
+
+
+def test_with_the_sharded_reference_model_and_checkpointed_layers(runs) -> None:
+    _same_run(runs / "one-ref", runs / "fsdp-ref")
+    kl = [json.loads(line)["kl"] for line in (runs / "fsdp-ref" / "log.jsonl").read_text().splitlines()]
+    assert kl[0] == pytest.approx(0.0, abs=1e-12) and kl[-1] > 0  # the policy leaves the reference
+
+
+def test_an_fsdp_checkpoint_resumes_in_one_process(runs, one_thread) -> None:
+    moved = runs / "fsdp-to-one"
+    shutil.copytree(runs / "fsdp", moved)
+    shutil.rmtree(moved / "checkpoint-3")
+    _run(runs, "fsdp-to-one", 1, resume_from_checkpoint=True)
+    _same_run(runs / "one", moved)
+
+
+def test_a_one_process_checkpoint_resumes_on_two_fsdp_ranks(runs) -> None:
+    _same_run(runs / "one", runs / "one-to-fsdp")
+    states = [json.loads((runs / "one-to-fsdp" / f"checkpoint-{s}" / "trainer_state.json").read_text())
+              for s in (2, 3)]
+    assert [s["world_size"] for s in states] == [1, 2]
+
+
+def test_fsdp_options_are_checked_by_name() -> None:
+    with pytest.raises(ValueError, match=r"parallelism='zero3' is not one of \['ddp', 'fsdp'\]"):
+        GRPOConfig(parallelism="zero3")
+    with pytest.raises(ValueError, match="fsdp_cpu_offload .* needs parallelism 'fsdp'"):
+        GRPOConfig(fsdp_cpu_offload=True)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
