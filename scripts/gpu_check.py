@@ -5,6 +5,13 @@
 3. GRPO's packed log-probs (each prompt once, its completions behind it under a mask) and their
    gradients equal separate rows' on CUDA (fp32; under bf16 autocast reported).
 Prints one JSON line per check; exits non-zero if a check fails.
+
+Owed, needing two or more GPUs (the lent machine has one), run by hand:
+- GRPO `parallelism: fsdp` on NCCL equals one process: `torchrun --nproc_per_node 2
+  tests/rl/test_grpo_fsdp.py DIR` with `device: cuda` in its fields (float32 on GPU: compare at
+  1e-5 relative; TF32 off), and per-rank `memory/params_bytes` half of one process's.
+- Peak GPU memory of `reclaim bench fsdp` on 2-8 GPUs against `reclaim plan`'s per-rank figures.
+- Two nodes: the torchrun `--nnodes 2 --rdzv-backend c10d` command in docs/distributed.md.
 """
 
 from __future__ import annotations
