@@ -448,6 +448,42 @@ def drafter_train(
 
 
 
+# ---- plan: memory per rank (owner: rl) ----
+
+@app.command("plan", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def plan(
+    ctx: typer.Context,
+    config: str = typer.Option(..., "--config", help="The GRPO config (YAML or a bundled name) to plan."),
+    world_size: int = typer.Option(1, "--world-size", help="Ranks (torchrun's nnodes x nproc_per_node)."),
+    model_config: str = typer.Option(None, "--model-config", help="An HF config.json, a model directory, or "
+                                     "a bundled shape: qwen2.5-7b, qwen2.5-32b, llama-3.1-8b. Default: the "
+                                     "config's model."),
+    parallelism: str = typer.Option(None, "--parallelism", help="ddp or fsdp; default: the config's."),
+    device_memory: str = typer.Option(None, "--device-memory", help="Memory per device, e.g. 141GB, 80GiB."),
+    as_json: bool = typer.Option(False, "--json", help="Print the numbers as JSON."),
+) -> None:
+    """A GRPO run's memory per rank from the model's config.json (meta device, no weights):
+    parameters, gradients, optimizer, reference model, rollout weights, KV and activations, and
+    whether it fits. Config fields can be overridden as `--field value`."""
+    import json
+
+    from reclaim.config import load_config
+    from reclaim.plan import model_config_path, report
+    from reclaim.plan import plan as make_plan
+    from reclaim.rl.grpo_config import GRPOConfig
+    from reclaim.storage import parse_size
+
+    try:
+        cfg = load_config(GRPOConfig, config, list(ctx.args))
+        memory = None if device_memory is None else parse_size(device_memory)
+        if cfg.model is None and model_config is None:
+            raise ValueError("the config names no model (the bundled SmolLM2); give --model-config")
+        p = make_plan(cfg, model_config_path(model_config or cfg.model), world_size, parallelism or cfg.parallelism)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    typer.echo(json.dumps(p.to_dict(memory), indent=2) if as_json else report(p, memory))
+
+
 # ---- rl: grpo (owner: rl) ----
 
 @app.command("grpo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
