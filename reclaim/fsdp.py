@@ -57,6 +57,7 @@ def parallelize(model: nn.Module, mesh: Any, *, bf16: bool = False, cpu_offload:
     fully_shard(model, reshard_after_forward=False, **kw)  # the root: embeddings, norm, head
     for m in (*layers, model):
         m.set_gradient_divide_factor(1.0)  # summed over ranks (the losses are normalised to the step)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM: float32's PREMUL_SUM(1.0) is NCCL-only
     return model
 
 

@@ -4,7 +4,8 @@ Two gloo ranks, each accumulating its half of four micro-batches under `accumula
 reduce-scatter per step), with gradient checkpointing and tied embeddings, give the gradients,
 the clipped norm and the gathered full weights of one process accumulating all four (float64:
 the ranks' partial sums are added in another order, so the tolerance is 1e-12 relative, far
-above float64 rounding, 1e-16, and far below any real difference). `shard_bytes`, the arithmetic
+above float64 rounding, 1e-16, and far below any real difference; float32, which FSDP2 reduces
+by another path, 1e-5). `shard_bytes`, the arithmetic
 `reclaim plan` uses, equals what `fully_shard` holds per rank at world size 8 on PyTorch's fake
 process group, for the bundled Qwen2.5-7B shape on the meta device.
 """
@@ -37,6 +38,9 @@ def _loss(model, x: torch.Tensor) -> torch.Tensor:
     return model(x).logits.double().logsumexp(-1).sum()
 
 
+DTYPES = {"float64": (torch.float64, 1e-12), "float32": (torch.float32, 1e-5)}  # dtype, relative tolerance
+
+
 def _worker(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -46,17 +50,21 @@ def _worker(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    model = tiny_target(300, tie_word_embeddings=True).double()
-    parallelize(model, init_device_mesh("cpu", (size,)), gradient_checkpointing=True)
-    mine = _batches()[rank::size]
-    for k, x in enumerate(mine):
-        with accumulating(model, last=k == len(mine) - 1):
-            _loss(model, x).backward()
-    norm = clip_grad_norm_(model.parameters(), 1.0)
-    weights = {k: v.clone() for k, v in FullWeights(model).items()}  # every rank gathers
-    grads = {k.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() for k, p in model.named_parameters()}
+    results = {}
+    for name, (dtype, _) in DTYPES.items():  # float32 reduces by another path in FSDP2 than float64
+        model = tiny_target(300, tie_word_embeddings=True).to(dtype)
+        parallelize(model, init_device_mesh("cpu", (size,)), gradient_checkpointing=True)
+        mine = _batches()[rank::size]
+        for k, x in enumerate(mine):
+            with accumulating(model, last=k == len(mine) - 1):
+                _loss(model, x).backward()
+        norm = clip_grad_norm_(model.parameters(), 1.0)
+        weights = {k: v.clone() for k, v in FullWeights(model).items()}  # every rank gathers
+        grads = {k.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor()
+                 for k, p in model.named_parameters()}
+        results[name] = {"norm": norm, "weights": weights, "grads": grads}
     if rank == 0:
-        torch.save({"norm": norm, "weights": weights, "grads": grads}, out)
+        torch.save(results, out)
     dist.destroy_process_group()
 
 
@@ -67,17 +75,18 @@ def test_two_fsdp_ranks_give_one_process_gradients(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            __file__, str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(out)
-    model = tiny_target(300, tie_word_embeddings=True).double()
-    for x in _batches():
-        _loss(model, x).backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    assert got["norm"] == pytest.approx(norm, rel=1e-12) and norm > 1.0  # it clipped
-    for name, p in model.named_parameters():
-        assert (p.grad - got["grads"][name]).abs().max() <= 1e-12 * p.grad.abs().max(), name
-    assert set(got["weights"]) == set(model.state_dict())  # the names the engine's update_weights takes
-    for name, w in model.state_dict().items():
-        assert torch.equal(w, got["weights"][name]), name
+    for dtype_name, (dtype, tol) in DTYPES.items():
+        got = torch.load(out)[dtype_name]
+        model = tiny_target(300, tie_word_embeddings=True).to(dtype)
+        for x in _batches():
+            _loss(model, x).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        assert got["norm"] == pytest.approx(norm, rel=tol) and norm > 1.0  # it clipped
+        for name, p in model.named_parameters():
+            assert (p.grad - got["grads"][name]).abs().max() <= tol * p.grad.abs().max(), (dtype_name, name)
+        assert set(got["weights"]) == set(model.state_dict())  # the names the engine's update_weights takes
+        for name, w in model.state_dict().items():
+            assert torch.equal(w, got["weights"][name]), (dtype_name, name)
 
 
 def test_shard_bytes_equal_fully_shard_at_world_size_8() -> None:

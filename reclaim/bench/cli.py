@@ -247,3 +247,16 @@ def bench_rl(
     for line in goal_lines(result["summary"]):
         typer.echo(line)
     typer.echo(f"wrote {out_dir}/rl.json and {out_dir}/rl.png")
+
+
+@bench_app.command("fsdp")
+def bench_fsdp(
+    max_completion_length: int = typer.Option(16, "--max-completion-length", help="Tokens per completion."),
+    out: str = typer.Option("benchmarks/fsdp", help="Directory for fsdp.json and fsdp.png."),
+) -> None:
+    """Per-rank memory of one GRPO run on SmolLM2 at world size 2 (gloo): DDP vs FSDP2."""
+    from pathlib import Path
+
+    from reclaim.bench.fsdp import main
+
+    main(Path(out), max_completion_length=max_completion_length)
