@@ -129,7 +129,24 @@ def load_trainer_state(checkpoint: Path, model: torch.nn.Module, optimizer: torc
         raise ValueError(f"{str(checkpoint)!r} has no {DCP_DIR}/.metadata (the torch.distributed.checkpoint of the "
                          f"model, optimizer and scheduler); it was not written by this version of reclaim grpo, so "
                          f"it cannot be resumed: start a fresh run (model: {str(checkpoint)!r} starts from its weights)")
+    check_shapes(checkpoint, model)
     _dcp(dcp.load, {"trainer": TrainerState(model, optimizer, scheduler)}, checkpoint / DCP_DIR, world)
+
+
+def check_shapes(checkpoint: Path, model: torch.nn.Module) -> None:
+    """Refuse a dcp/ whose parameters' full shapes are not the model's, naming the first that
+    differs. Each rank reads the metadata file itself, so every rank raises, none in a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(checkpoint / DCP_DIR)).read_metadata().state_dict_metadata
+    prefix = "trainer.model."
+    for name, tensor in model.state_dict().items():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        meta = saved.get(prefix + name)  # a name it lacks (a tied weight saved once) is dcp.load's to judge
+        if meta is not None and tuple(meta.size) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint {str(checkpoint)!r}: parameter {name!r} was saved with shape "
+                             f"{tuple(meta.size)}, the model's is {tuple(tensor.shape)} (sharding does not change a "
+                             f"full shape, so it is another model's checkpoint)")
 
 
 def _dcp(op: Callable, state: dict[str, Any], path: Path, world: Any) -> None:
