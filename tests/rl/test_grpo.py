@@ -329,12 +329,14 @@ def test_history_drafted_rollouts_give_the_same_run(tiny_model_dir, tmp_path, on
     """The history drafter (the group's other completions and the prompt's earlier steps; three
     steps over two prompts, so the third sees its prompt's first) and the hybrid tree change
     only the rollout time: completions, rewards, losses and weights equal plain rollouts'. (The
-    gate is held on speculating: on a tiny model plain steps are cheaper and it would stop.)"""
-    from reclaim.engine.spec_policy import SpecGate
+    gate is held on speculating and the depths on the cost priors: on a tiny model, and more so on
+    a loaded machine, plain steps are cheaper and it would stop drafting.)"""
+    from reclaim.engine.spec_policy import SpecGate, StepCosts
     from reclaim.models.drafter import new_drafter, save_drafter
     from reclaim.models.loading import load_model
 
     monkeypatch.setattr(SpecGate, "choose", lambda self, batch: self.arms[-1])
+    monkeypatch.setattr(StepCosts, "fit", lambda self: None)  # the priors' depths: not this machine's load
 
     target, _ = load_model(tiny_model_dir)
     drafter = save_drafter(new_drafter(target), tmp_path / "drafter")
