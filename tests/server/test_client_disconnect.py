@@ -7,8 +7,18 @@ import time
 
 import httpx
 import pytest
+from live_server import start_server
 
-LONG = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+# Long enough that the tiny model is still generating when the client leaves, even when a loaded
+# machine delays the client's reads (200 tokens sometimes finished first).
+LONG = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    live = start_server(max_model_len=2048, num_blocks=4 * 2048 // 16 + 64)
+    yield live
+    live.stop()
 
 
 def aborted(http: httpx.Client) -> float:
