@@ -140,8 +140,7 @@ def check_shapes(checkpoint: Path, model: torch.nn.Module) -> None:
 
     saved = dcp.FileSystemReader(str(checkpoint / DCP_DIR)).read_metadata().state_dict_metadata
     prefix = "trainer.model."
-    for name, tensor in model.state_dict().items():
-        name = name.replace("_checkpoint_wrapped_module.", "")
+    for name, tensor in model.state_dict().items():  # checkpoint-wrapped layers keep their names here
         meta = saved.get(prefix + name)  # a name it lacks (a tied weight saved once) is dcp.load's to judge
         if meta is not None and tuple(meta.size) != tuple(tensor.shape):
             raise ValueError(f"checkpoint {str(checkpoint)!r}: parameter {name!r} was saved with shape "

@@ -13,8 +13,6 @@ process group, for the bundled Qwen2.5-7B shape on the meta device.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "rl"))
-from rl_helpers import tiny_target  # noqa: E402
+from rl_helpers import tiny_target, torchrun  # noqa: E402
 
 from reclaim.fsdp import decoder_layers, shard_bytes  # noqa: E402
 
@@ -69,12 +67,8 @@ def _worker(out: Path) -> None:
 
 
 def test_two_fsdp_ranks_give_one_process_gradients(tmp_path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "rl"), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "rank0.pt"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(__file__, str(out), timeout=300)
     for dtype_name, (dtype, tol) in DTYPES.items():
         got = torch.load(out)[dtype_name]
         model = tiny_target(300, tie_word_embeddings=True).to(dtype)

@@ -3,6 +3,11 @@ tests, and `fixed_depth`: speculation that drafts its full depth at every verify
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -50,3 +55,13 @@ def fixed_depth(**fields):
 
     names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     return SpeculativeConfig(**fields, **({"dynamic_depth": False} if "dynamic_depth" in names else {}))
+
+
+def torchrun(script: str, *args: str, timeout: int = 600) -> None:
+    """`script` under torchrun on two local ranks (one thread each, this folder importable), with
+    its stderr in the failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]

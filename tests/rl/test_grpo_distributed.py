@@ -15,9 +15,7 @@ do: the drafter may differ.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_helpers import make_tokenizer, tiny_target
+from rl_helpers import make_tokenizer, tiny_target, torchrun
 from reclaim.config import load_config
 from reclaim.rl.grpo import train
 from reclaim.rl.grpo_config import GRPOConfig
@@ -168,11 +166,7 @@ def runs(tmp_path_factory) -> Path:
         torch.set_num_threads(threads)
     shutil.copytree(root / "solo", root / "one-to-two")
     shutil.rmtree(root / "one-to-two" / "checkpoint-3")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, str(root)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(__file__, str(root))
     return root
 
 

@@ -17,16 +17,14 @@ grown by three AdamW steps at lr 1e-3 on a random model); a real difference is m
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from rl_helpers import make_tokenizer, tiny_target
+from rl_helpers import make_tokenizer, tiny_target, torchrun
 from test_grpo_distributed import ACCUM, EVEN, _same_run, fields
 from reclaim.config import load_config
 from reclaim.rl.grpo import train
@@ -72,11 +70,7 @@ def runs(tmp_path_factory) -> Path:
         torch.set_num_threads(threads)
     shutil.copytree(root / "one", root / "one-to-fsdp")
     shutil.rmtree(root / "one-to-fsdp" / "checkpoint-3")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, str(root)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(__file__, str(root))
     return root
 
 
