@@ -9,14 +9,26 @@ import httpx
 import pytest
 from live_server import start_server
 
-# Long enough that the tiny model is still generating when the client leaves, even when a loaded
-# machine delays the client's reads (200 tokens sometimes finished first).
+# Long enough that the tiny model is still generating when the client leaves: each engine step
+# is held 5 ms (below), so 2000 tokens take 10 s or more however the machine's load delays the
+# client's reads (unthrottled, 2000 tokens sometimes finished first).
 LONG = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+STEP_DELAY_S = 0.005
 
 
 @pytest.fixture(scope="module")
 def server():
     live = start_server(max_model_len=2048, num_blocks=4 * 2048 // 16 + 64)
+    engine = live.runner.engine
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if engine.has_unfinished():
+            time.sleep(STEP_DELAY_S)
+        return out
+
+    engine.step = slow_step
     yield live
     live.stop()
 
