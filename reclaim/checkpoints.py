@@ -94,7 +94,7 @@ def save_grpo_checkpoint(out: Path, step: int, model: torch.nn.Module, full: tor
     (drafter/, drafter_state.pt) and trainer_state.json (last). Every rank calls it; rank 0 builds
     the directory under a temp name and renames it into place once all is written, so a crash
     mid-save leaves the previous checkpoint the latest. `world`: rl.distributed.World; `online`: an
-    OnlineDrafter; `batch`: a RolloutBatch."""
+    OnlineDrafterTrainer; `batch`: a RolloutBatch."""
     import torch.distributed.checkpoint as dcp
 
     from reclaim.models.loading import save_model

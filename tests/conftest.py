@@ -22,6 +22,34 @@ def _seed():
 
 
 @pytest.fixture(scope="session")
+def built_once(tmp_path_factory, worker_id):
+    """built_once(name, build) -> a directory `build(dir)` filled once for the whole test run.
+
+    A module-scoped fixture runs once per xdist worker that runs one of its module's tests; for
+    the torchrun runs (15-30 s) that doubled the work whenever the two workers split a module.
+    The first worker builds under a lock; the other waits and reuses it (a failed build is
+    retried by the next one)."""
+    import shutil
+
+    from reclaim.storage import _locked
+
+    base = tmp_path_factory.getbasetemp()
+    base = base.parent if worker_id != "master" else base  # the run's directory, shared by its workers
+
+    def get(name: str, build):
+        root = base / f"built-{name}"
+        with _locked(base / f".built-{name}.lock"):
+            if not (root / ".built").exists():
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir()
+                build(root)
+                (root / ".built").touch()
+        return root
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def default_model_dir():
     """The default model (SmolLM2-135M-Instruct) as an HF directory; the first use ever converts
     its GGUF (about a minute), later ones find it in $RECLAIM_CACHE."""

@@ -11,6 +11,22 @@ import typer
 bench_app = typer.Typer(help="Benchmarks: baseline and reclaim side by side; JSON + PNG under benchmarks/.",
                         no_args_is_help=True)
 
+ENGINE_CONFIG = typer.Option(None, "--engine-config", help="YAML file of EngineConfig fields (as serve's "
+                             "--engine-config) over this bench's engine defaults; the fields it varies per "
+                             "point (batch size, speculative method, kernel) stay its own.")
+
+
+def _engine_fields(path: str | None) -> dict:
+    """The fields of --engine-config's file, each checked by name and value."""
+    from reclaim.config import ConfigError
+    from reclaim.engine.config import file_fields
+
+    try:
+        return file_fields(path)
+    except (ConfigError, ValueError, OSError) as e:
+        raise typer.BadParameter(str(e), param_hint="--engine-config") from e
+
+
 @bench_app.command("ssm")
 def bench_ssm(
     quick: bool = typer.Option(False, "--quick", help="Contexts 2K-16K under a 0.25 GiB cap: a smoke run."),
@@ -53,6 +69,7 @@ def bench_engine(
     sharegpt_file: str = typer.Option(None, "--sharegpt-file", help="A ShareGPT JSON: its lengths, not synthetic."),
     seed: int = typer.Option(0, help="Seed of the synthetic lengths and messages."),
     threads: int = typer.Option(None, help="torch threads (default: torch's)."),
+    engine_config: str = ENGINE_CONFIG,
     out_dir: str = typer.Option("benchmarks", help="Where engine.json and engine.png go."),
 ) -> None:
     """Generation tokens/s: reclaim's engine vs transformers' generate, same model and prompts."""
@@ -63,7 +80,8 @@ def bench_engine(
                                batch1_prompts=batch1_prompts, static_batch=static_batch,
                                max_tokens=max_tokens, ignore_eos=ignore_eos, repeats=repeats,
                                sharegpt_requests=requests, sharegpt_slots=slots, sharegpt_scale=scale,
-                               sharegpt_file=sharegpt_file, seed=seed, threads=threads, out_dir=out_dir)
+                               sharegpt_file=sharegpt_file, seed=seed, threads=threads, out_dir=out_dir,
+                               engine=_engine_fields(engine_config))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     main(spec)
@@ -85,6 +103,7 @@ def bench_serve(
                                         "to OUT_DIR/serve.json."),
     threads: int = typer.Option(None, help="torch threads (default: torch's)."),
     device: str = typer.Option("cpu", help="Torch device."),
+    engine_config: str = ENGINE_CONFIG,
     out_dir: str = typer.Option("benchmarks", help="Where serve.json and serve.png go."),
 ) -> None:
     """Server throughput and TTFT/TPOT vs the engine and transformers (static batching), a
@@ -97,7 +116,8 @@ def bench_serve(
                               repeats=repeats, gap_budgets=[int(b) for b in gap_budgets.split(",") if b],
                               long_prompt_tokens=long_prompt_tokens,
                               structured_concurrency=[int(c) for c in structured_concurrency.split(",") if c],
-                              only=only, threads=threads, device=device, out_dir=out_dir)
+                              only=only, threads=threads, device=device, out_dir=out_dir,
+                              engine=_engine_fields(engine_config))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     try:
@@ -127,6 +147,7 @@ def bench_online(
     max_ttft_slowdown: float = typer.Option(0.1, "--max-ttft-slowdown", help="Co-location's bound."),
     quick: bool = typer.Option(False, "--quick", help="Mixes 64/64,128/64, 1 repeat, 8 requests: a smoke run."),
     threads: int = typer.Option(2, help="torch threads."),
+    engine_config: str = ENGINE_CONFIG,
     out_dir: str = typer.Option("benchmarks", help="Where online.json and online.png go."),
 ) -> None:
     """Online learning: training on feedback reusing the prefill vs recomputing it (tokens/s,
@@ -139,7 +160,8 @@ def bench_online(
                                memory_budget_gib=memory_budget_gib, requests=8 if quick else requests,
                                serve_repeats=1 if quick else serve_repeats,
                                rate=rate, scale=scale, feedback_share=feedback_share,
-                               max_ttft_slowdown=max_ttft_slowdown, threads=threads, out_dir=out_dir)
+                               max_ttft_slowdown=max_ttft_slowdown, threads=threads, out_dir=out_dir,
+                               engine=_engine_fields(engine_config))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     main(spec)
@@ -167,6 +189,7 @@ def bench_spec(
     methods: str = typer.Option(None, help="Comma-separated methods to run (default all): ngram, suffix, hybrid, "
                                 "eagle-chain, eagle-chain-fixed, eagle-tree, eagle3-chain; plain always runs."),
     threads: int = typer.Option(1, help="torch threads."),
+    engine_config: str = ENGINE_CONFIG,
     out_dir: str = typer.Option("benchmarks", help="Where spec.json and spec.png go."),
 ) -> None:
     """Speculative decoding (ngram, suffix, EAGLE chain and tree, hybrid, EAGLE-3) vs plain decoding and transformers."""
@@ -176,7 +199,8 @@ def bench_spec(
                          temperatures=[float(t) for t in temperatures.split(",")], num_prompts=num_prompts,
                          tasks=tasks, max_tokens=max_tokens, depth=depth, tree_topk=tree_topk, tree_tokens=tree_tokens,
                          spec_max_batch=spec_max_batch, repeats=repeats, threads=threads, out_dir=out_dir,
-                         eagle3=eagle3, methods=methods.split(",") if methods else None)
+                         eagle3=eagle3, methods=methods.split(",") if methods else None,
+                         engine=_engine_fields(engine_config))
     main(spec)
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
 

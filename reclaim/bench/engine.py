@@ -75,6 +75,7 @@ class EngineBenchSpec:
     max_model_len: int = 2048
     threads: int | None = None
     out_dir: str = "benchmarks"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (--engine-config)
 
     def __post_init__(self) -> None:
         for name, got, allowed in (("workloads", self.workloads, WORKLOADS), ("heads", self.heads, HEADS)):
@@ -228,6 +229,7 @@ def sharegpt_point(requests: list[tuple[list[int], int]], hf: Any, engines: dict
 
 def measure(spec: EngineBenchSpec) -> dict[str, Any]:
     """Run the chosen workloads on both sides; returns the JSON-ready result."""
+    from reclaim.engine.config import EngineConfig
     from reclaim.engine.engine import Engine
     from reclaim.models.hf import load_hf_model
     from reclaim.models.loading import load_model, resolve_model_dir
@@ -246,8 +248,8 @@ def measure(spec: EngineBenchSpec) -> dict[str, Any]:
     with torch.inference_mode():
         # Warm both sides up (first-call allocations, kernel selection).
         run_transformers(hf, prompts[:2], 4, pad, False, eos)
-        engines = {h: Engine(model, tok, max_num_seqs=slots, max_model_len=max_len, head=h)
-                   for h in spec.heads}
+        base = EngineConfig(**{"max_model_len": max_len, **spec.engine})
+        engines = {h: Engine(model, tok, base, max_num_seqs=slots, head=h) for h in spec.heads}
         for e in engines.values():
             run_reclaim(e, prompts[:2], [4, 4], False)
         if "batch1" in spec.workloads:

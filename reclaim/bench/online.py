@@ -78,6 +78,7 @@ class OnlineBenchSpec:
     max_num_seqs: int = 8
     seed: int = 0
     out_dir: str = "benchmarks"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (--engine-config)
 
     def __post_init__(self) -> None:
         self.mixes = [tuple(m) for m in self.mixes]
@@ -347,11 +348,12 @@ def serve_stream(model: torch.nn.Module, tokenizer: Any, stream: Sequence[tuple[
     """Replay the stream on an engine stepped here as the server's engine thread steps it; with
     `learn`, the server's co-location (record the prefills of requests that will get feedback,
     feedback on a share, train; with train=False no training: what recording alone costs)."""
+    from reclaim.engine.config import EngineConfig
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
 
-    engine = Engine(model, tokenizer, max_num_seqs=spec.max_num_seqs, seed=spec.seed,
-                    max_model_len=model.config.max_position_embeddings)
+    base = EngineConfig(**{"seed": spec.seed, "max_model_len": model.config.max_position_embeddings, **spec.engine})
+    engine = Engine(model, tokenizer, base, max_num_seqs=spec.max_num_seqs)
     colocated, tmp = None, None
     if learn:
         from reclaim.online.colocate import Colocated, key_of_request

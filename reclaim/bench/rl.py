@@ -178,7 +178,7 @@ def greedy_outputs(cfg: Any, model: torch.nn.Module, tokenizer: Any,
     # compares drafted tokens.
     drafter = make_proposer(spec_arms(cfg)[-1], model) if cfg.speculative != "none" else None
     engine = Engine(model, tokenizer, cfg.engine_config(max(len(p) for p in prompts) + cfg.max_completion_length),
-                    drafter=drafter)
+                    proposer=drafter)
     params = [SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length)] * len(prompts)
     outs, stats = runner.generate(engine, prompts, params)
     return [list(o.token_ids) for o in outs], stats.spec.get("verifies", 0)
@@ -438,7 +438,7 @@ def measure_rollouts(spec: RLBenchSpec) -> dict[str, Any]:
         order = names[step % len(names):] + names[:step % len(names)]
         for name in order:
             engine = engines[name]
-            next_round = getattr(engine.drafter, "next_round", None)
+            next_round = getattr(engine.proposer, "next_round", None)
             if next_round is not None:
                 next_round()
             outs, st = runners[name].generate(engine, ids, params)
@@ -447,7 +447,7 @@ def measure_rollouts(spec: RLBenchSpec) -> dict[str, Any]:
                    "rollout_tail_s": st.tail_seconds, "rollout_tail_tokens": st.tail_tokens,
                    "rollout_spec_tau": (s["accepted"] + s["verifies"]) / s["verifies"] if s.get("verifies") else None,
                    "rollout_spec_draft_s": s.get("draft_seconds", 0.0), "completions": [o.token_ids for o in outs]}
-            memory = getattr(engine.drafter, "memory", None)
+            memory = getattr(engine.proposer, "memory", None)
             if memory is not None:
                 rec["history"] = memory()
             steps[name].append(rec)

@@ -189,18 +189,24 @@ def structured_point(url: str, name: str, spec: ServeBenchSpec) -> dict[str, Any
     return {"schema": schema, "max_tokens": spec.structured_max_tokens, "levels": levels}
 
 
+def engine_config(spec: ServeBenchSpec) -> Any:
+    """The server's and the bare engine's config: `spec.engine` (--engine-config) over the
+    bench's device, and the bench's max_num_seqs over both."""
+    from reclaim.engine.config import EngineConfig
+
+    return EngineConfig(**{"device": spec.device, **spec.engine}).replace(max_num_seqs=spec.max_num_seqs)
+
+
 def _model_and_app(spec: ServeBenchSpec) -> tuple[Any, Any, Any, Any]:
     """The model directory, reclaim's model and tokenizer, and the server app on them (threads set)."""
     from reclaim.models.loading import load_model, resolve_model_dir
-    from reclaim.engine.config import EngineConfig
     from reclaim.server.serve import build_app
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
     model_dir = resolve_model_dir(spec.model)
     model, tokenizer = load_model(model_dir, device=spec.device)
-    app, _, _ = build_app(model, tokenizer, (model_dir.name,),
-                          EngineConfig(max_num_seqs=spec.max_num_seqs, device=spec.device))
+    app, _, _ = build_app(model, tokenizer, (model_dir.name,), engine_config(spec))
     return model_dir, model, tokenizer, app
 
 
@@ -237,7 +243,7 @@ def run(spec: ServeBenchSpec) -> dict:
     counts = {c: max(spec.min_requests, spec.requests_per_client * c) for c in spec.concurrency}
     prompts = [encode_chat(tokenizer, chat_messages(i)) for i in range(max(counts.values()))]
     server = BackgroundServer(app)
-    engine = Engine(model, tokenizer, max_num_seqs=spec.max_num_seqs, device=spec.device)
+    engine = Engine(model, tokenizer, engine_config(spec))
     runs: dict[int, dict[str, list]] = {c: {"server": [], "engine": [], "hf_static": []}
                                         for c in spec.concurrency}
     try:

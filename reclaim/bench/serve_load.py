@@ -77,6 +77,7 @@ class ServeBenchSpec:
     threads: int | None = None
     device: str = "cpu"
     out_dir: str = "benchmarks"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (--engine-config)
 
     def __post_init__(self) -> None:
         if self.only not in (None, "structured"):

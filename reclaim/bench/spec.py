@@ -64,6 +64,7 @@ class SpecBenchSpec:
     repeats: int = 2  # runs of each method, interleaved (tokens/s: the median, and the spread)
     seed: int = 0
     out_dir: str = "benchmarks"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (--engine-config)
 
 
 def _methods(spec: SpecBenchSpec, drafter: str) -> dict[str, Any]:
@@ -94,12 +95,15 @@ def _methods(spec: SpecBenchSpec, drafter: str) -> dict[str, Any]:
 
 
 def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batch: int,
-               speculative: Any) -> dict[str, Any]:
-    """Generate every prompt with at most `batch` running; tokens/s, tau, draft share, outputs."""
+               speculative: Any, engine_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Generate every prompt with at most `batch` running; tokens/s, tau, draft share, outputs.
+    `engine_fields` (EngineConfig's) go over the bench's max_model_len 1024 and seed 0."""
+    from reclaim.engine.config import EngineConfig
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
 
-    engine = Engine(model, tok, max_num_seqs=batch, max_model_len=1024, speculative=speculative, seed=0)
+    base = EngineConfig(**{"max_model_len": 1024, "seed": 0, **(engine_fields or {})})
+    engine = Engine(model, tok, base, max_num_seqs=batch, speculative=speculative)
     # Warm-up on the chat template's first tokens only: a history drafter must not have seen the
     # answers it is measured on (it starts with nothing, as a fresh server does).
     engine.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))
@@ -121,7 +125,7 @@ def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batc
            # one call of the drafter against the mean step it drafts for
            "draft_seconds_per_call": s["draft_seconds"] / s["draft_calls"] if s["draft_calls"] else None,
            "step_seconds": secs / steps, "outputs": [o.token_ids for o in outs]}
-    memory = getattr(engine.drafter, "memory", None)
+    memory = getattr(engine.proposer, "memory", None)
     if memory is not None:  # the history drafter's size after the run
         out["history"] = memory()
     return out
@@ -181,7 +185,7 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
             tries: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
             for _ in range(spec.repeats):  # interleaved, so drifting load hits every method alike
                 for name, cfg in methods.items():
-                    tries[name].append(run_engine(model, tok, use, params, batch, cfg))
+                    tries[name].append(run_engine(model, tok, use, params, batch, cfg, spec.engine))
             runs = {name: _median_run(rs) for name, rs in tries.items()}
             base = runs["plain"]
             for name, r in runs.items():

@@ -1,7 +1,7 @@
 """The rollout engine's drafter trained between rollouts (TLT's adaptive drafter trainer).
 
-`OnlineDrafter`'s drafter is the rollout engine's, recorded through a `RecordingProposer` (which
-also sees the accepted draft tokens' states), trained in place between rollouts on a bounded
+`OnlineDrafterTrainer`'s drafter is the rollout engine's, recorded through a `RecordingProposer`
+(which also sees the accepted draft tokens' states), trained in place between rollouts on a bounded
 buffer and synchronised across torchrun ranks.
 """
 
@@ -35,7 +35,7 @@ class RecordingProposer(EagleProposer):
         super().observe(seq_id, start, token_ids, hidden)
 
 
-class OnlineDrafter:
+class OnlineDrafterTrainer:
     """TLT's adaptive drafter trainer: the rollout engine's EAGLE drafter (trained in place, so
     the engine's proposer drafts with the new weights at once) learns from the hidden states of
     recent rollouts in a bounded buffer; a frozen copy of the starting drafter is kept to compare
@@ -57,7 +57,7 @@ class OnlineDrafter:
         self._rolled: EagleDrafter | None = None  # the drafter the current rollout drafts with
 
     def proposer(self, target: torch.nn.Module) -> RecordingProposer:
-        """The engine's drafter (Engine(drafter=...)): proposes with self.drafter, records states."""
+        """The engine's proposer (Engine(proposer=...)): proposes with self.drafter, records states."""
         return RecordingProposer(self.drafter, target, self.recorder)
 
     def begin_rollout(self) -> None:
@@ -133,3 +133,14 @@ class OnlineDrafter:
         state = torch.load(directory / "drafter_state.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state["steps"]
+
+
+def __getattr__(name: str) -> Any:
+    """`OnlineDrafter`, the trainer's old name, kept for one release with a DeprecationWarning."""
+    if name == "OnlineDrafter":
+        import warnings
+
+        warnings.warn("reclaim.drafter.online.OnlineDrafter is deprecated; use OnlineDrafterTrainer",
+                      DeprecationWarning, stacklevel=2)
+        return OnlineDrafterTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,3 +73,22 @@ class EngineConfig:
 def cli_fields() -> list[dataclasses.Field]:
     """The fields `serve` offers as options (all but those marked cli=False)."""
     return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
+
+
+def file_fields(path: str | None) -> dict[str, Any]:
+    """The fields an engine-config YAML file (`--engine-config` of the benches) sets, each checked
+    by name and value through load_config; {} for no file. A bench lays them over its own engine
+    defaults, and its per-point fields (batch size, speculative method, kernel) over them."""
+    if path is None:
+        return {}
+    import yaml
+
+    from reclaim.config import load_config, read_config_text
+
+    cfg = load_config(EngineConfig, path)
+    names = list(yaml.safe_load(read_config_text(path)[1]) or {})
+    allowed = [f.name for f in cli_fields()]
+    for name in names:
+        if name not in allowed:  # speculative: a bench sets it from its own options
+            raise ValueError(f"{name} is not set in {path} (the bench's options set it); allowed: {allowed}")
+    return {name: getattr(cfg, name) for name in names}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import warnings
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -72,13 +73,17 @@ class Engine:
         *,
         eos_token_ids: list[int] | None = None,
         on_forward: Callable[[list[ForwardRecord]], None] | None = None,
-        drafter: Proposer | None = None,
+        proposer: Proposer | None = None,
         recorder: Recorder | None = None,
         **fields: Any,
     ) -> None:
         """`config` (an EngineConfig; keyword `fields` of it override it) sizes the engine;
         eos_token_ids (default: the model's and the tokenizer's), the hooks below and a ready
-        proposer (`drafter`, default: the one `config.speculative` names) come besides."""
+        `proposer` (default: the one `config.speculative` names) come besides. `drafter=` is the
+        proposer's old name, kept for one release with a DeprecationWarning."""
+        if "drafter" in fields:
+            warnings.warn("Engine(drafter=...) is deprecated; pass proposer=...", DeprecationWarning, stacklevel=2)
+            proposer = fields.pop("drafter") if proposer is None else proposer
         self.config = cfg = (config or EngineConfig()).replace(**fields)
         param = next(model.parameters())
         device = torch.device(cfg.device) if cfg.device is not None else param.device
@@ -111,12 +116,12 @@ class Engine:
         self._partial: set[str] = set()  # recorded without every prompt hidden state: never drafted
         self.kv_on_weight_update = cfg.kv_on_weight_update
         self.speculative = speculative = cfg.speculative
-        self.drafter = drafter if drafter is not None or speculative is None else make_proposer(speculative, self.model)
+        self.proposer = proposer if proposer is not None or speculative is None else make_proposer(speculative, self.model)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "draft_calls": 0,
                            "plain_decodes": 0}
         self.policy = SpecPolicy(self.spec_stats)  # whether, with what and how deep to draft
         self.policy.configure(speculative, self._arms(speculative))
-        self.runner.aux_layers = getattr(self.drafter, "aux_layers", None)  # EAGLE-3 drafts from these layers' states
+        self.runner.aux_layers = getattr(self.proposer, "aux_layers", None)  # EAGLE-3 drafts from these layers' states
         self.weights_version = 0
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
@@ -254,7 +259,7 @@ class Engine:
         lookahead = (lambda seq: self.policy.lookahead(seq.request_id, seq.params, batch)) if arm != "plain" else 0
         sched = self.last_schedule = self.scheduler.schedule(lookahead)
         self.num_preemptions += len(sched.preempted)
-        share = getattr(self.drafter, "share", None)
+        share = getattr(self.proposer, "share", None)
         for dst, src, n in sched.shared if share is not None else []:
             share(src, dst, n)
         return sched
@@ -276,7 +281,7 @@ class Engine:
 
     def _arms(self, spec: SpeculativeConfig | None) -> tuple[str, ...]:
         """The gate's arms: plain and the method, or for a hybrid proposer each of its modes."""
-        if spec is not None and spec.method == "hybrid" and hasattr(self.drafter, "mode"):
+        if spec is not None and spec.method == "hybrid" and hasattr(self.proposer, "mode"):
             return ("plain", *HYBRID_MODES)
         return ("plain", spec.method if spec is not None else "spec")
 
@@ -286,9 +291,9 @@ class Engine:
         del self._requests[req.seq.request_id]
         self._partial.discard(req.seq.request_id)
         self.policy.release(req.seq.request_id)
-        if self.drafter is not None:
-            self.drafter.finish(req.seq.request_id, req.seq.token_ids, req.seq.num_prompt_tokens)
-            self.drafter.release(req.seq.request_id)
+        if self.proposer is not None:
+            self.proposer.finish(req.seq.request_id, req.seq.token_ids, req.seq.num_prompt_tokens)
+            self.proposer.release(req.seq.request_id)
 
     def _fail(self, req: RequestState, exc: Exception) -> RequestOutput:
         """End one request with finish_reason 'error' (the others in the step go on)."""
@@ -316,8 +321,8 @@ class Engine:
         for rid, got in result.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs += got
         for rid, start, token_ids, feats in result.observed:
-            if self.drafter is not None and rid not in self._partial:
-                self.drafter.observe(rid, start, token_ids, feats)
+            if self.proposer is not None and rid not in self._partial:
+                self.proposer.observe(rid, start, token_ids, feats)
         starts = {c.request_id: c.start for c in chunks}
         for rid, v in result.accepted.items():  # the pending token and the accepted draft tokens are cached
             self._requests[rid].seq.num_computed = starts[rid] + v.accepted + 1
@@ -382,8 +387,8 @@ class Engine:
         t0 = time.perf_counter()
         if self.speculative is None or not any(c.lookahead for c in chunks):
             return {}
-        if arm in HYBRID_MODES and hasattr(self.drafter, "mode") and self.policy.depths is not None:
-            self.drafter.mode = arm
+        if arm in HYBRID_MODES and hasattr(self.proposer, "mode") and self.policy.depths is not None:
+            self.proposer.mode = arm
         cost, overhead = self.policy.draft_costs(len(chunks))
         asks = [DraftRequest(c.request_id, r.seq.token_ids, c.lookahead, r.seq.params, r.generator,
                              r.seq.num_prompt_tokens, cost, overhead)
@@ -393,7 +398,7 @@ class Engine:
             return {}
         drafts = {}
         self.spec_stats["draft_calls"] += 1
-        for ask, d in zip(asks, self.drafter.propose(asks)):
+        for ask, d in zip(asks, self.proposer.propose(asks)):
             if d.tokens:
                 drafts[ask.seq_id] = d.truncate(ask.max_tokens)
         self.spec_stats["draft_seconds"] += time.perf_counter() - t0
@@ -420,21 +425,27 @@ class Engine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+    @property
+    def drafter(self) -> Proposer | None:
+        """The proposer's old name, kept for one release (DeprecationWarning): use `proposer`."""
+        warnings.warn("Engine.drafter is deprecated; use Engine.proposer", DeprecationWarning, stacklevel=2)
+        return self.proposer
+
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
-        """Change the speculative config between steps (None: plain decoding). The drafter stays
-        the one the engine was built with; an EAGLE drafter takes the new depth and tree shape.
+        """Change the speculative config between steps (None: plain decoding). The proposer stays
+        the one the engine was built with; an EAGLE proposer takes the new depth and tree shape.
         An adaptive rollout picks the config per step this way."""
         with self._step_lock:
-            if config is not None and self.drafter is None:
-                self.drafter = make_proposer(config, self.model)
-            if config is not None and hasattr(self.drafter, "topk"):
-                self.drafter.topk, self.drafter.depth = config.eagle_topk, config.num_speculative_tokens
-                self.drafter.total = config.lookahead
-            if config is not None and hasattr(self.drafter, "mode"):
-                self.drafter.mode = config.method if config.method in HYBRID_MODES else "hybrid"
+            if config is not None and self.proposer is None:
+                self.proposer = make_proposer(config, self.model)
+            if config is not None and hasattr(self.proposer, "topk"):
+                self.proposer.topk, self.proposer.depth = config.eagle_topk, config.num_speculative_tokens
+                self.proposer.total = config.lookahead
+            if config is not None and hasattr(self.proposer, "mode"):
+                self.proposer.mode = config.method if config.method in HYBRID_MODES else "hybrid"
             self.speculative = config
             self.policy.configure(config, self._arms(config))  # measured costs stay
-            self.runner.aux_layers = getattr(self.drafter, "aux_layers", None)
+            self.runner.aux_layers = getattr(self.proposer, "aux_layers", None)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy new weights in between steps (the names of model.state_dict()); returns the new version.

@@ -61,7 +61,7 @@ def demo_grpo(model: torch.nn.Module, tokenizer: Any, out: TextIO | None = None,
     served = copy.deepcopy(model).eval()
     engine = Engine(served, tokenizer, max_num_seqs=cfg.num_generations, seed=cfg.seed,
                     max_model_len=max(map(len, prompts)) + cfg.max_completion_length,
-                    drafter=make_proposer(spec_arms(cfg)[-1], served))
+                    proposer=make_proposer(spec_arms(cfg)[-1], served))
     opt = adamw(list(policy.parameters()), lr=cfg.learning_rate)
     eos = set(engine.eos_token_ids)
     spec = {"eagle": "eagle, the default model's drafter", "suffix": "suffix, drafted from the group's other "

@@ -31,7 +31,7 @@ DDP (distributed.py: gradients summed once per optimizer step), per_device_train
 rank as in TRL; rank 0 logs, every rank writes its share of the DCP checkpoint (output_dir must
 be one directory all ranks see), and --resume loads it at any world size. With drafter_online (TLT) the EAGLE
 drafter learns from the rollouts' hidden states on the workers that finished their share early
-(drafter/online.py's OnlineDrafter).
+(drafter/online.py's OnlineDrafterTrainer).
 
 The config is grpo_config.py, the prompts data.py, the loss loss.py, the rollout rollout.py and
 the checkpoints reclaim/checkpoints.py; this file is the training step and the loop.
@@ -54,7 +54,7 @@ import torch
 from reclaim.checkpoints import (
     CHECKPOINT_PREFIX, TRAINER_STATE, checkpoints, load_trainer_state, save_grpo_checkpoint, trim_log,
 )
-from reclaim.drafter.online import OnlineDrafter
+from reclaim.drafter.online import OnlineDrafterTrainer
 from reclaim.fsdp import (
     FullWeights, checkpoint_layers, clip_grad_norm_, decoder_layers, parallelize, training_bytes,
 )
@@ -176,7 +176,7 @@ def _parallelize(model: torch.nn.Module, ref: torch.nn.Module | None, cfg: GRPOC
 
 
 def _open_engine(cfg: GRPOConfig, served: torch.nn.Module, tokenizer: Any, max_len: int,
-                 last: Path | None) -> tuple[Any, OnlineDrafter | None]:
+                 last: Path | None) -> tuple[Any, OnlineDrafterTrainer | None]:
     """The rollout engine on `served`, the rank's full copy of the policy; with drafter_online, its
     EAGLE drafter is the online one (the checkpoint's on resume; the frozen copy is always the
     configured drafter)."""
@@ -187,7 +187,7 @@ def _open_engine(cfg: GRPOConfig, served: torch.nn.Module, tokenizer: Any, max_l
         from reclaim.models.drafter import load_drafter
 
         drafter = load_drafter(drafter_path(cfg.speculative), served)
-        online = OnlineDrafter(drafter, buffer_tokens=cfg.drafter_buffer_tokens,
+        online = OnlineDrafterTrainer(drafter, buffer_tokens=cfg.drafter_buffer_tokens,
                                lr=cfg.drafter_learning_rate, max_steps=cfg.drafter_max_steps_per_rollout,
                                seed=cfg.seed, eval_samples=cfg.drafter_eval_samples,
                                eval_depth=max(cfg.spec_depths))
@@ -203,7 +203,7 @@ def _open_engine(cfg: GRPOConfig, served: torch.nn.Module, tokenizer: Any, max_l
         # Built now, so it follows every sequence from its prefill; one made in the tail could not
         # draft for sequences it has not seen.
         drafter = make_proposer(spec_arms(cfg)[-1], served)
-    engine = Engine(served, tokenizer, cfg.engine_config(max_len), drafter=drafter)
+    engine = Engine(served, tokenizer, cfg.engine_config(max_len), proposer=drafter)
     return engine, online
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from reclaim.drafter.online import OnlineDrafter
+from reclaim.drafter.online import OnlineDrafterTrainer
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.speculative import MODEL_METHODS, SpeculativeConfig
@@ -174,7 +174,7 @@ def rollout_runner(cfg: GRPOConfig, log: Callable[[dict[str, Any]], None] | None
     return AdaptiveRollout(bandit, threshold=cfg.spec_threshold, log=log)
 
 
-def _drafter_step(online: OnlineDrafter, outs: list, engine: Any, world: World) -> dict[str, Any]:
+def _drafter_step(online: OnlineDrafterTrainer, outs: list, engine: Any, world: World) -> dict[str, Any]:
     """The drafter's part of a rollout on this rank: its samples, and training on them (and the
     buffer) right away with one process, or while the slowest worker is still rolling out."""
     samples = online.collect(outs)
@@ -190,14 +190,14 @@ def _drafter_step(online: OnlineDrafter, outs: list, engine: Any, world: World) 
 def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], step: int, cfg: GRPOConfig,
             reward_funcs: Sequence[Callable], reward_names: Sequence[str], eos: set[int],
             completions_log: Path | None = None, runner: AdaptiveRollout | None = None,
-            world: World | None = None, online: OnlineDrafter | None = None) -> RolloutBatch:
+            world: World | None = None, online: OnlineDrafterTrainer | None = None) -> RolloutBatch:
     """Sample num_generations completions per prompt on the engine (through `runner`: plain or
     adaptive speculation) and score them (and append them to `completions_log`, JSON lines).
 
     Under torchrun each rank rolls out and scores its contiguous share of the prompts on its own
     engine, with the seeds of their places in the whole rollout, and the shares are gathered:
     every rank holds the step's whole batch, as one process would have made it. With `online`,
-    the drafter learns from the rollout's hidden states (see OnlineDrafter) before the gather."""
+    the drafter learns from the rollout's hidden states (see OnlineDrafterTrainer) before the gather."""
     world = world or World()
     g = cfg.num_generations
     mine = world.share(len(prompts))
@@ -208,7 +208,7 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
                              seed=request_seed(cfg.seed, step, first + i)) for i in range(len(ids))]
     if online is not None:
         online.begin_rollout()
-    next_round = getattr(engine.drafter, "next_round", None)
+    next_round = getattr(engine.proposer, "next_round", None)
     if next_round is not None:  # a history drafter's window of steps moves on
         next_round()
     t0 = time.perf_counter()
@@ -266,7 +266,7 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
                "rollout_spec_decisions": sum(len(s["decisions"]) for s in st)}
     spec = {k: sum(s["spec"].get(k, 0) for s in st) for k in ("verifies", "accepted", "drafted", "draft_seconds")}
     metrics["rollout_spec_draft_s"] = max(s["spec"].get("draft_seconds", 0.0) for s in st)  # per worker
-    memory = getattr(engine.drafter, "memory", None)
+    memory = getattr(engine.proposer, "memory", None)
     if memory is not None:  # the history drafter's size on this rank
         metrics.update({f"suffix/{k}": v for k, v in memory().items()})
     if spec["verifies"]:
@@ -287,7 +287,8 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
     return RolloutBatch(ids, completions, mask, adv, order.tolist(), metrics=metrics)
 
 
-def _sync_drafter(online: OnlineDrafter, parts: list[dict[str, Any]], engine: Any, world: World) -> dict[str, float]:
+def _sync_drafter(online: OnlineDrafterTrainer, parts: list[dict[str, Any]], engine: Any,
+                  world: World) -> dict[str, float]:
     """Every rank takes the most-trained drafter; rank 0 replays the rollout for tau (online vs
     frozen starting drafter). Metrics: drafter/steps (of the drafter in use next), its loss (first
     and last step), steps summed over ranks, training seconds (the longest), buffer tokens, tau."""

@@ -41,14 +41,14 @@ def test_greedy_eagle_equals_plain_over_50_prompts(target_and_drafter, batch, to
     plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch=64, num_draft_tokens=8)
     eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=batch, speculative=spec,
-                 drafter=EagleProposer(drafter, target, topk=topk, depth=3, total=8 if topk > 1 else 3))
+                 proposer=EagleProposer(drafter, target, topk=topk, depth=3, total=8 if topk > 1 else 3))
     spec = []
     for i in range(0, 50, batch):
         spec += eng.generate(prompts[i:i + batch], params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     s = eng.stats()
     assert s["spec_verifies"] > 0 and s["kv_blocks_used"] == 0
-    assert not eng.drafter._states  # every sequence released its drafter state
+    assert not eng.proposer._states  # every sequence released its drafter state
 
 
 def _from_scratch(target, drafter, ids, k):
@@ -84,7 +84,7 @@ def test_drafter_state_follows_the_target(target_and_drafter):
     # fixed depth: every decode drafts, so there are accepts and rejects to follow (dynamic depth
     # would stop drafting for this random drafter once the measured step costs say it does not pay)
     eng = Engine(target, num_blocks=14, block_size=4, max_model_len=40, max_num_batched_tokens=7,
-                 speculative=dataclasses.replace(SPEC, dynamic_depth=False), drafter=proposer)
+                 speculative=dataclasses.replace(SPEC, dynamic_depth=False), proposer=proposer)
     eng.generate(_prompts(8, seed=6), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     s = eng.stats()
     assert s["num_preemptions"] > 0 and len(seen) > 20 and 0 < s["spec_accepted"] < s["spec_drafted"], s
@@ -173,7 +173,7 @@ def test_weight_swap_during_speculation_continues_as_the_new_weights_would(targe
     target, drafter = target_and_drafter
     other, _ = make_pair(seed=9)
     eng = Engine(make_pair(seed=1)[0], num_blocks=128, block_size=4, speculative=SPEC,
-                 drafter=EagleProposer(drafter, target))
+                 proposer=EagleProposer(drafter, target))
     prompt = _prompts(1, seed=8)[0]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     eng.add_request("r", prompt, params)
@@ -207,7 +207,7 @@ def test_reduced_draft_vocabulary_is_lossless_and_round_trips(tmp_path, target_a
     proposer.propose = lambda reqs: [seen.extend(d.tokens) or d for d in propose(reqs)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
-    eng = Engine(target, num_blocks=256, block_size=4, drafter=proposer,
+    eng = Engine(target, num_blocks=256, block_size=4, proposer=proposer,
                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch=64, num_draft_tokens=6))
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
     assert seen and set(seen) <= set(ids.tolist())
@@ -243,7 +243,7 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(target_and_dr
     # Fixed depth: every decode verifies a draft, however rarely this random drafter hits.
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch=64, dynamic_depth=False,
                              num_draft_tokens=6 if kind == "eagle-tree" else None)
-    eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=8, speculative=spec, drafter=proposer)
+    eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=8, speculative=spec, proposer=proposer)
     outs = eng.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     s = eng.stats()

@@ -179,7 +179,7 @@ def test_the_engine_speculating_with_eagle3_equals_plain(trained, tmp_path, meth
     spec = parse_speculative(f"{method}:{path}", num_speculative_tokens=3, max_batch=64, eagle_topk=topk,
                              num_draft_tokens=6 if topk > 1 or method == "hybrid" else None, dynamic_depth=False)
     eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=4, speculative=spec)
-    proposer = eng.drafter.model if method == "hybrid" else eng.drafter
-    assert isinstance(proposer, Eagle3Proposer) and isinstance(eng.drafter, (HybridProposer, Eagle3Proposer))
+    proposer = eng.proposer.model if method == "hybrid" else eng.proposer
+    assert isinstance(proposer, Eagle3Proposer) and isinstance(eng.proposer, (HybridProposer, Eagle3Proposer))
     assert [o.token_ids for o in eng.generate(ps, params)] == want
     assert eng.stats()["spec_accepted"] > 0

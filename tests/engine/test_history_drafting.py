@@ -42,14 +42,14 @@ def test_greedy_equals_plain_over_50_prompts_asked_twice(tiny, batch, kind):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
     spec, drafter = (SUFFIX, None) if kind == "suffix" else (HYBRID, _hybrid(target))
-    eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=batch, speculative=spec, drafter=drafter)
+    eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=batch, speculative=spec, proposer=drafter)
     out = []
     for i in range(0, 50, batch):
         out += eng.generate(prompts[i:i + batch], params)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     s = eng.stats()
     assert s["spec_verifies"] > 0 and s["spec_accepted"] > 0 and s["kv_blocks_used"] == 0
-    history = eng.drafter if kind == "suffix" else eng.drafter.history
+    history = eng.proposer if kind == "suffix" else eng.proposer.history
     assert not history._seqs and history.memory()["kept_tokens"] > 0  # every sequence finished into history
 
 
@@ -109,7 +109,7 @@ def test_seeded_sampling_is_identical_with_and_without_history_drafts(tiny, kind
     params = [SamplingParams(temperature=0.3, top_k=6, max_tokens=16, ignore_eos=True, seed=i) for i in range(18)]
     plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
     spec, drafter = (SUFFIX, None) if kind == "suffix" else (HYBRID, _hybrid(target))
-    eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=2, speculative=spec, drafter=drafter)
+    eng = Engine(target, num_blocks=256, block_size=4, max_num_seqs=2, speculative=spec, proposer=drafter)
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
     assert eng.stats()["spec_accepted"] > 0
 

@@ -168,7 +168,7 @@ def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6, spec: Spe
     prompt = [3, 5, 3, 5, 3]
     v = target.config.vocab_size
     plain = _engine(target, max_num_seqs=64, seed=1)
-    spec = _engine(target, max_num_seqs=64, seed=2, drafter=drafter,
+    spec = _engine(target, max_num_seqs=64, seed=2, proposer=drafter,
                    speculative=spec or SpeculativeConfig(max_batch=64, num_speculative_tokens=2))
 
     def hist(eng):
@@ -378,7 +378,7 @@ def test_dynamic_depth_stops_paying_for_a_drafter_that_misses(tiny):
     runs = {}
     for dynamic in (True, False):
         cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64, dynamic_depth=dynamic)
-        eng = _engine(ours, speculative=cfg, drafter=Wrong(), max_num_seqs=4)
+        eng = _engine(ours, speculative=cfg, proposer=Wrong(), max_num_seqs=4)
         assert _run(eng, prompts, params) == want
         runs[dynamic] = eng.stats()
     assert runs[False]["spec_verifies"] >= 4 * 35 and runs[False]["spec_plain_decodes"] == 0

@@ -381,4 +381,4 @@ def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_di
                        (f"hybrid:{drafter}", HybridProposer)):
         cfg = GRPOConfig(model=str(tiny_model_dir), speculative=spec, spec_depths=[3], adaptive=False)
         engine, online = _open_engine(cfg, target, tok, 128, None)
-        assert isinstance(engine.drafter, kind) and online is None and engine.speculative is None
+        assert isinstance(engine.proposer, kind) and online is None and engine.speculative is None

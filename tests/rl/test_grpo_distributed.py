@@ -98,11 +98,11 @@ def _idle_drafter(root: Path, rank: int) -> None:
     from reclaim.models.loading import load_model
     from reclaim.rl.distributed import World
     from reclaim.drafter.data import collect
-    from reclaim.drafter.online import OnlineDrafter
+    from reclaim.drafter.online import OnlineDrafterTrainer
 
     world = World(rank, 2)
     target = load_model(root / "tiny", dtype=None)[0].requires_grad_(False)
-    online = OnlineDrafter(load_drafter(root / "drafter", target), buffer_tokens=100_000, lr=3e-3,
+    online = OnlineDrafterTrainer(load_drafter(root / "drafter", target), buffer_tokens=100_000, lr=3e-3,
                            max_steps=10_000, seed=0, eval_samples=0)
     g = torch.Generator().manual_seed(rank)
     samples = collect(target, *[[torch.randint(3, 200, (n,), generator=g).tolist() for _ in range(4)]
@@ -145,13 +145,15 @@ def _same_run(a: Path, b: Path, log_b: Path | None = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """The tiny float64 model, an untrained drafter for it, and the two-rank runs."""
+def runs(built_once) -> Path:
+    return built_once("grpo-dist", _build)
 
+
+def _build(root: Path) -> None:
+    """The tiny float64 model, an untrained drafter for it, and the two-rank runs."""
     from reclaim.models.drafter import new_drafter, save_drafter
     from reclaim.models.loading import save_model
 
-    root = tmp_path_factory.mktemp("grpo-dist")
     tok = make_tokenizer()
     model = tiny_target(len(tok)).double()
     save_model(model, tok, root / "tiny")
@@ -160,19 +162,17 @@ def runs(tmp_path_factory) -> Path:
     (root / "even.py").write_text(EVEN)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:  # a one-process run, cut after its step-2 checkpoint for the two ranks to resume
+    try:  # one process: the run the ranks must equal; a copy cut after its step-2 checkpoint is theirs to resume
         train(load_config(GRPOConfig, "grpo-tiny", fields(root, "solo", 1)), progress=False)
     finally:
         torch.set_num_threads(threads)
     shutil.copytree(root / "solo", root / "one-to-two")
     shutil.rmtree(root / "one-to-two" / "checkpoint-3")
     torchrun(__file__, str(root))
-    return root
 
 
 def test_two_ranks_equal_one_process_and_resume_reproduces(runs, one_thread) -> None:
-    train(load_config(GRPOConfig, "grpo-tiny", fields(runs, "one", 1)), progress=False)
-    one, two = runs / "one", runs / "plain"
+    one, two = runs / "solo", runs / "plain"
     _same_run(one, two)
     _same_run(one, two, runs / "plain-uninterrupted.jsonl")
     assert (one / "completions.jsonl").read_text() == (two / "completions.jsonl").read_text()
@@ -192,10 +192,8 @@ def test_two_ranks_with_the_online_drafter_train_the_same_policy(runs, one_threa
     """Speculation with a drafter trained on idle ranks changes the rollout's speed, not its
     tokens: the policy equals one process with plain rollouts. Each step logs the drafter's
     training and its replayed tau against the frozen starting drafter."""
-    if not (runs / "one" / "checkpoint-3").exists():
-        train(load_config(GRPOConfig, "grpo-tiny", fields(runs, "one", 1)), progress=False)
-    _same_run(runs / "one", runs / "online")
-    assert (runs / "one" / "completions.jsonl").read_text() == (runs / "online" / "completions.jsonl").read_text()
+    _same_run(runs / "solo", runs / "online")
+    assert (runs / "solo" / "completions.jsonl").read_text() == (runs / "online" / "completions.jsonl").read_text()
     recs = _log(runs / "online" / "log.jsonl")
     assert all(r["rollout_spec_decisions"] > 0 for r in recs)
     assert [r["drafter/total_steps"] for r in recs] == sorted(r["drafter/total_steps"] for r in recs)

@@ -52,12 +52,15 @@ def _worker(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def runs(built_once) -> Path:
+    return built_once("grpo-fsdp", _build)
+
+
+def _build(root: Path) -> None:
     """The tiny float64 model, the one-process runs (with and without the reference model) and the
     two-rank FSDP runs."""
     from reclaim.models.loading import save_model
 
-    root = tmp_path_factory.mktemp("grpo-fsdp")
     tok = make_tokenizer()
     save_model(tiny_target(len(tok)).double(), tok, root / "tiny")
     (root / "even.py").write_text(EVEN)
@@ -71,7 +74,6 @@ def runs(tmp_path_factory) -> Path:
     shutil.copytree(root / "one", root / "one-to-fsdp")
     shutil.rmtree(root / "one-to-fsdp" / "checkpoint-3")
     torchrun(__file__, str(root))
-    return root
 
 
 def test_two_fsdp_ranks_equal_one_process(runs) -> None:

@@ -13,7 +13,7 @@ from reclaim.engine.request import SamplingParams
 from reclaim.models.drafter import new_drafter, save_drafter
 from reclaim.drafter.acceptance import greedy_acceptance
 from reclaim.drafter.data import collect
-from reclaim.drafter.online import OnlineDrafter
+from reclaim.drafter.online import OnlineDrafterTrainer
 
 
 def test_the_online_drafter_learns_a_fixed_target_and_the_engine_drafts_with_it(tmp_path, one_thread):
@@ -27,11 +27,11 @@ def test_the_online_drafter_learns_a_fixed_target_and_the_engine_drafts_with_it(
     torch.manual_seed(0)
     drafter = new_drafter(target)
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
-    online = OnlineDrafter(drafter, buffer_tokens=100_000, lr=3e-3, max_steps=25, seed=0, eval_samples=4)
+    online = OnlineDrafterTrainer(drafter, buffer_tokens=100_000, lr=3e-3, max_steps=25, seed=0, eval_samples=4)
     spec = fixed_depth(method="eagle", model=str(save_drafter(drafter, tmp_path / "d")),
                              num_speculative_tokens=4, max_batch=16)
     engine = Engine(target, None, max_num_seqs=16, max_model_len=64, speculative=spec,
-                    drafter=online.proposer(target))
+                    proposer=online.proposer(target))
     losses, taus = [], []
     for _ in range(3):
         before = dict(engine.spec_stats)

@@ -59,7 +59,7 @@ def test_stream_disconnect_frees_blocks(server, http):
                 events += line.startswith("data: ")
                 if events == 3:
                     break
-            assert server.stats()["kv_blocks_used"] > 0  # still generating when we leave
+            assert server.stats()["kv_blocks_used"] > 0, (events, line)  # still generating when we leave
     assert wait_for(lambda: aborted(http) == before + 1)
     assert server.wait_idle()["kv_blocks_used"] == 0
     assert server.healthy()

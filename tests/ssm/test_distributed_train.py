@@ -81,14 +81,15 @@ def _close(a: float, b: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def distributed_runs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         __file__, str(root)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return root
+def distributed_runs(built_once) -> Path:
+    def build(root: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             __file__, str(root)], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    return built_once("ssm-dist", build)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
