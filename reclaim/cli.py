@@ -393,7 +393,8 @@ def ssm_train(
     """Train a Mamba LM on a text corpus at a chosen context length. Any config field can be
     overridden as `--field value` (e.g. --context_length 65536 --window 2048; a bool field alone
     is true). Under `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...`, --sharding none |
-    layer | time picks data parallel, a pipeline over layer blocks, or context parallel."""
+    fsdp | layer | time picks data parallel, the same fully sharded, a pipeline over layer blocks,
+    or context parallel."""
     from reclaim.config import load_config
     from reclaim.ssm.train import SSMTrainConfig, train
 

@@ -10,6 +10,8 @@ Owed, needing two or more GPUs (the lent machine has one), run by hand:
 - GRPO `parallelism: fsdp` on NCCL equals one process: `torchrun --nproc_per_node 2
   tests/rl/test_grpo_fsdp.py DIR` with `device: cuda` in its fields (float32 on GPU: compare at
   1e-5 relative; TF32 off), and per-rank `memory/params_bytes` half of one process's.
+- ssm-train `sharding: fsdp` on NCCL equals one process: tests/ssm/test_distributed_train.py's
+  fsdp runs with `device: cuda` (all_gather_into_tensor and reduce_scatter_tensor on NCCL).
 - Peak GPU memory of `reclaim bench fsdp` on 2-8 GPUs against `reclaim plan`'s per-rank figures.
 - Two nodes: the torchrun `--nnodes 2 --rdzv-backend c10d` command in docs/distributed.md.
 """

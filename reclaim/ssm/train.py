@@ -10,6 +10,10 @@ the processes share the work:
 - "none": data parallel. Rank r of W takes global batch (step * accum + micro) * W + r, gradients
   and losses are averaged, so a step equals one process accumulating W * accum batches. Any
   grad_mode.
+- "fsdp": the same data parallel run fully sharded (`sharded.ShardedParams`): each rank keeps
+  1/W of the parameters and of the AdamW state, gathers the full parameters for a step and
+  reduce-scatters the gradients' mean onto its slice. Any grad_mode; checkpoints are the
+  unsharded trainer's, so a run resumes at any world size, with or without sharding.
 - "layer": pipeline over layer blocks (`parallel.layer_sharded_loss_backward`); every rank reads
   the same batch, holds only its block's parameters and its block's optimizer state, clips by the
   global norm. A checkpoint gathers the model to rank 0; optimizer states stay per rank
@@ -32,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,7 +46,8 @@ from reclaim.schedule import SCHEDULES, lr_scheduler
 from reclaim.ssm.adjoint import RECOMPUTE, adjoint_loss_backward, aligned_labels, chunk_bounds
 
 GRAD_MODES = ("backprop", "checkpoint", "adjoint", "truncated")
-SHARDINGS = ("none", "layer", "time")
+SHARDINGS = ("none", "fsdp", "layer", "time")
+DATA_PARALLEL = ("none", "fsdp")  # every rank its own batches
 ADJOINT_MODES = ("adjoint", "truncated")
 
 
@@ -87,17 +93,17 @@ class SSMTrainConfig:
     resume_from_checkpoint: bool = False
     device: str = "cpu"
     dtype: str = "float32"
-    sharding: str = "none"  # under torchrun: none (data parallel) | layer | time; see module doc
+    sharding: str = "none"  # under torchrun: none (data parallel) | fsdp | layer | time; see module doc
 
     def __post_init__(self) -> None:
         if self.grad_mode not in GRAD_MODES:
             raise ValueError(f"grad_mode {self.grad_mode!r} is not one of {list(GRAD_MODES)}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding {self.sharding!r} is not one of {list(SHARDINGS)}")
-        if self.sharding != "none" and self.grad_mode not in ADJOINT_MODES:
+        if self.sharding not in DATA_PARALLEL and self.grad_mode not in ADJOINT_MODES:
             raise ValueError(f"sharding {self.sharding!r} shards the adjoint: it needs grad_mode in "
-                             f"{list(ADJOINT_MODES)}, got {self.grad_mode!r} (use sharding none "
-                             f"for data parallel {self.grad_mode})")
+                             f"{list(ADJOINT_MODES)}, got {self.grad_mode!r} (use sharding none or "
+                             f"fsdp for data parallel {self.grad_mode})")
         if self.lr_scheduler_type not in SCHEDULES:
             raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of "
                              f"{list(SCHEDULES)}")
@@ -168,7 +174,7 @@ def loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, cfg: SSMTrain
     from reclaim.ssm import parallel
 
     window = cfg.window if cfg.grad_mode == "truncated" else None
-    if cfg.sharding == "none":
+    if cfg.sharding in DATA_PARALLEL:
         return adjoint_loss_backward(model, input_ids, chunk=cfg.chunk_size, window=window,
                                      loss_chunk=cfg.loss_chunk, recompute=cfg.adjoint_recompute)
     fn = {"layer": parallel.layer_sharded_loss_backward,
@@ -280,11 +286,17 @@ def _resume_point(cfg: SSMTrainConfig, out: Path, ranks: Ranks) -> tuple[Path, d
 
 
 def _save(cfg: SSMTrainConfig, ranks: Ranks, out: Path, step: int, model, opt, sched,
-          state: dict[str, Any], tokenizer: Any) -> None:
-    """Rank 0 writes the checkpoint; by layer, every rank lends its block and its optimizer file."""
+          state: dict[str, Any], tokenizer: Any, shards: Any = None) -> None:
+    """Rank 0 writes the checkpoint; by layer, every rank lends its block and its optimizer file;
+    fully sharded, every rank lends its slices of the weights and of the optimizer state."""
     from reclaim.ssm import parallel
 
-    if cfg.sharding != "layer":
+    if shards is not None:
+        full_opt = shards.full_optimizer_state(opt)
+        with shards.gathered():
+            if ranks.rank == 0:
+                save_checkpoint(out, step, _model_writer(model, tokenizer), SimpleNamespace(state_dict=lambda: full_opt), sched, state)
+    elif cfg.sharding != "layer":
         if ranks.rank == 0:
             save_checkpoint(out, step, _model_writer(model, tokenizer), opt, sched, state)
     else:
@@ -326,6 +338,14 @@ def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
             dist.destroy_process_group()
 
 
+def _memory(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank holds between steps: its parameters and its optimizer state, in bytes."""
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    return {"memory/params_bytes": sum(p.numel() * p.element_size() for p in params if p.numel()),
+            "memory/optimizer_bytes": state}
+
+
 def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ranks: Ranks,
            device: torch.device) -> list[dict[str, Any]]:
     from tqdm import tqdm
@@ -364,20 +384,30 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     if layer:
         parallel.free_other_stages(model, ranks.rank, ranks.world)
     model.to(device)
+    full_params = list(model.parameters())
+    shards = None
+    if cfg.sharding == "fsdp":
+        from reclaim.ssm.sharded import ShardedParams
+
+        shards = ShardedParams(full_params, ranks.rank, ranks.world)
     params = (parallel.stage_parameters(model, ranks.rank, ranks.world) if layer
-              else list(model.parameters()))
+              else shards.shards if shards is not None else full_params)
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             weight_decay=cfg.weight_decay)
     sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
                          total_steps=cfg.max_steps)
     if cfg.resume_from_checkpoint:
-        opt.load_state_dict(torch.load(last / _optimizer_file(cfg, ranks), map_location=device))
+        saved = torch.load(last / _optimizer_file(cfg, ranks), map_location=device)
+        if shards is not None:
+            shards.load_full_optimizer_state(opt, saved)
+        else:
+            opt.load_state_dict(saved)
         sched.load_state_dict(torch.load(last / "scheduler.pt"))
     config_dict = dataclasses.asdict(cfg)
     if lead:
         (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     # Data parallel: each rank its own batches; model parallel: all ranks the same batch.
-    dp_rank, dp_world = (ranks.rank, ranks.world) if cfg.sharding == "none" else (0, 1)
+    dp_rank, dp_world = (ranks.rank, ranks.world) if cfg.sharding in DATA_PARALLEL else (0, 1)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and lead),
                desc=f"ssm-train {cfg.grad_mode}" + (f" {cfg.sharding} x{ranks.world}"
@@ -387,6 +417,8 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     while step < cfg.max_steps:
         model.train()
         opt.zero_grad(set_to_none=True)
+        if shards is not None:
+            shards.gather()
         loss = 0.0
         for micro in range(cfg.gradient_accumulation_steps):
             index = (step * cfg.gradient_accumulation_steps + micro) * dp_world + dp_rank
@@ -395,15 +427,17 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
             loss += loss_backward(model, batch, cfg) / cfg.gradient_accumulation_steps
             tokens_seen += batch.numel() * dp_world
         if cfg.gradient_accumulation_steps > 1:
-            for p in params:
+            for p in full_params if shards is not None else params:
                 if p.grad is not None:
                     p.grad /= cfg.gradient_accumulation_steps
-        if dp_world > 1:
+        if shards is not None:
+            loss = shards.reduce_gradients(loss)
+        elif dp_world > 1:
             loss = parallel.average_gradients(params, loss)
-        if layer:
+        if layer or shards is not None:
             norm = parallel.clip_grad_norm_global(
                 params, cfg.max_grad_norm,
-                uncounted=parallel.counted_elsewhere(model, ranks.rank, ranks.world))
+                uncounted=parallel.counted_elsewhere(model, ranks.rank, ranks.world) if layer else ())
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         lr = sched.get_last_lr()[0]
@@ -415,7 +449,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             elapsed = time.perf_counter() - t_start
             rec = {"step": step, "loss": loss, "learning_rate": lr, "grad_norm": float(norm),
-                   "tokens_per_s": tokens_seen / elapsed}
+                   "tokens_per_s": tokens_seen / elapsed, **_memory(params, opt)}
             records.append(rec)
             history.append(rec)
             if lead:
@@ -424,7 +458,7 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps:
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
                      "config": config_dict, "sharding": cfg.sharding, "world_size": ranks.world}
-            _save(cfg, ranks, out, step, model, opt, sched, state, tokenizer)
+            _save(cfg, ranks, out, step, model, opt, sched, state, tokenizer, shards)
     bar.close()
     return records if lead else []
 

@@ -1,9 +1,12 @@
 """ssm-train under torchrun (2 gloo ranks) equals one process taking the same steps (float64).
 
 Layer and time sharding (exact and truncated adjoint) read the same batches as a single process;
-data parallel equals one process accumulating both ranks' batches. Every distributed run is cut
-after its step-2 checkpoint and resumed, so the compared log and weights also show that resume
-reproduces the uninterrupted run.
+data parallel, plain and fully sharded (`sharding: fsdp`, backprop and the exact adjoint), equals
+one process accumulating both ranks' batches. Every distributed run is cut after its step-2
+checkpoint and resumed, so the compared log and weights also show that resume reproduces the
+uninterrupted run; a fully sharded checkpoint resumes in one process and a one-process
+checkpoint on two fully sharded ranks. Tolerance 1e-9 relative: the ranks' gradient sums are
+added in another order than one process adds its micro-batches.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ RUNS = {
     # Rank r takes batch 2i + r of accumulation step i: one process accumulating 4 per step.
     "data-parallel": ({"grad_mode": "backprop", "gradient_accumulation_steps": 2},
                       {"grad_mode": "backprop", "gradient_accumulation_steps": 4}),
+    "fsdp-backprop": ({"sharding": "fsdp", "grad_mode": "backprop", "gradient_accumulation_steps": 2},
+                      {"grad_mode": "backprop", "gradient_accumulation_steps": 4}),
+    "fsdp-adjoint": ({"sharding": "fsdp", "grad_mode": "adjoint", "weight_decay": 0.1},
+                     {"grad_mode": "adjoint", "gradient_accumulation_steps": 2, "weight_decay": 0.1}),
 }
+# A one-process run the two fully sharded ranks resume from its step-2 checkpoint.
+ONE_TO_FSDP = {"grad_mode": "adjoint", "gradient_accumulation_steps": 2, "weight_decay": 0.1}
 
 
 def stream() -> torch.Tensor:
@@ -67,6 +76,8 @@ def _worker(root: Path) -> None:
         dist.barrier()
         T.train(load_config(T.SSMTrainConfig, None, {**dataclasses.asdict(cfg), "resume_from_checkpoint": True}),
                 tokens=tokens, progress=False)
+    T.train(T.SSMTrainConfig(output_dir=str(root / "one-to-fsdp"), **{**TINY, **RUNS["fsdp-adjoint"][0]},
+                             resume_from_checkpoint=True), tokens=tokens, progress=False)
     dist.destroy_process_group()
 
 
@@ -83,6 +94,15 @@ def _close(a: float, b: float) -> bool:
 @pytest.fixture(scope="module")
 def distributed_runs(built_once) -> Path:
     def build(root: Path) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            T.train(T.SSMTrainConfig(output_dir=str(root / "one"), **{**TINY, **ONE_TO_FSDP}), tokens=stream(),
+                    progress=False)
+        finally:
+            torch.set_num_threads(threads)
+        shutil.copytree(root / "one", root / "one-to-fsdp")
+        shutil.rmtree(root / "one-to-fsdp" / "checkpoint-4")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -114,6 +134,42 @@ def test_torchrun_equals_one_process_and_resume_reproduces(name, distributed_run
     per_rank = {"optimizer-rank0.pt", "optimizer-rank1.pt"}
     assert per_rank <= files if "layer" in name else "optimizer.pt" in files
     assert not list(run.glob(".optimizer-*"))  # staged optimizer files all moved in
+
+
+
+
+def _same(a: Path, b: Path) -> None:
+    for x, y in zip(_log(a), _log(b), strict=True):
+        assert x["step"] == y["step"] and _close(x["loss"], y["loss"]) and _close(x["grad_norm"], y["grad_norm"])
+    want, have = _weights(a), _weights(b)
+    for k in want:
+        assert (have[k] - want[k]).abs().max() <= 1e-9 * want[k].abs().max(), k
+
+
+def test_fully_sharded_checkpoints_resume_in_one_process_and_the_other_way(distributed_runs, tmp_path,
+                                                                          one_thread) -> None:
+    _same(distributed_runs / "one", distributed_runs / "one-to-fsdp")  # one process -> 2 sharded ranks
+    moved = tmp_path / "fsdp-to-one"
+    shutil.copytree(distributed_runs / "fsdp-adjoint", moved)
+    shutil.rmtree(moved / "checkpoint-4")
+    T.train(T.SSMTrainConfig(output_dir=str(moved), **{**TINY, **ONE_TO_FSDP}, resume_from_checkpoint=True),
+            tokens=stream(), progress=False)
+    _same(distributed_runs / "one", moved)  # 2 sharded ranks -> one process
+
+
+def test_a_fully_sharded_rank_holds_half_the_parameters_and_optimizer_state(distributed_runs) -> None:
+    one, sharded = _log(distributed_runs / "one")[-1], _log(distributed_runs / "fsdp-adjoint")[-1]
+    for key in ("memory/params_bytes", "memory/optimizer_bytes"):
+        assert 0.5 <= sharded[key] / one[key] < 0.52, key  # odd sizes pad the last slice
+    assert one["memory/optimizer_bytes"] == 2 * one["memory/params_bytes"]  # AdamW: two moments
+
+
+def test_fsdp_needs_torchrun_and_takes_every_grad_mode() -> None:
+    for mode in ("backprop", "checkpoint", "adjoint"):
+        T.SSMTrainConfig(sharding="fsdp", grad_mode=mode)
+    with pytest.raises(ValueError, match="sharding 'fsdp' splits the model over torchrun processes, but "
+                                         "WORLD_SIZE is 1"):
+        T.train(T.SSMTrainConfig(sharding="fsdp", **TINY), tokens=stream(), progress=False)
 
 
 if __name__ == "__main__":
