@@ -194,9 +194,13 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
             try:
-                p.copy_(src[name])
+                saved = src[name]
             except KeyError as e:
                 raise ValueError(f"checkpoint {str(path)!r} has no tensor {name!r}") from e
+            if saved.shape != p.shape:
+                raise ValueError(f"checkpoint {str(path)!r} holds {name!r} of shape {list(saved.shape)}; this "
+                                 f"config's model has {list(p.shape)} (resume with the config it was written with)")
+            p.copy_(saved)
 
 
 def _model_writer(model: Any, tokenizer: Any) -> Callable[[Path], None]:

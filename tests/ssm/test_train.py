@@ -72,6 +72,15 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, tokens) -> No
     assert [r["loss"] for r in _log(tmp_path)] == [r["loss"] for r in full]  # log trimmed, then appended
 
 
+def test_resume_with_another_model_shape_is_refused_by_name(tmp_path, tokens) -> None:
+    cfg = T.SSMTrainConfig(output_dir=str(tmp_path), **{**TINY, "max_steps": 1})
+    T.train(cfg, tokens=tokens, progress=False)
+    wider = load(None, {**dataclasses.asdict(cfg), "d_model": 2 * TINY["d_model"], "resume_from_checkpoint": True})
+    with pytest.raises(ValueError, match=r"holds 'backbone\.embeddings\.weight' of shape \[\d+, 16\]; this "
+                                         r"config's model has \[\d+, 32\]"):
+        T.train(wider, tokens=tokens, progress=False)
+
+
 def test_resume_without_checkpoint_names_the_directory(tmp_path, tokens) -> None:
     cfg = T.SSMTrainConfig(output_dir=str(tmp_path / "empty"), resume_from_checkpoint=True, **TINY)
     with pytest.raises(ValueError, match="empty"):
