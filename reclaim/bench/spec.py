@@ -67,31 +67,33 @@ class SpecBenchSpec:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (--engine-config)
 
 
-def _methods(spec: SpecBenchSpec, drafter: str) -> dict[str, Any]:
+def _methods(spec: SpecBenchSpec, drafter: str | None) -> dict[str, Any]:
+    """Every method's SpeculativeConfig, those asked for kept (EAGLE's and hybrid's need `drafter`,
+    None when none of them is asked for)."""
     from reclaim.engine.speculative import SpeculativeConfig
 
     common = {"num_speculative_tokens": spec.depth, "max_batch": spec.spec_max_batch}
     extra = {} if spec.eagle3 is None else {"eagle3-chain": SpeculativeConfig(method="eagle3", model=spec.eagle3, **common)}
     every = {
-        "plain": None,
-        "ngram": SpeculativeConfig(method="ngram", prompt_lookup_max=3, **common),
+        "plain": lambda: None,
+        "ngram": lambda: SpeculativeConfig(method="ngram", prompt_lookup_max=3, **common),
         # History: the prompt and the outputs before it in this run (a fresh server's cache), drafts
         # sized by their confidence (up to 16 tokens).
-        "suffix": SpeculativeConfig(method="suffix", max_batch=spec.spec_max_batch),
-        "hybrid": SpeculativeConfig(method="hybrid", model=drafter, max_batch=spec.spec_max_batch),
-        "eagle-chain": SpeculativeConfig(method="eagle", model=drafter, **common),
+        "suffix": lambda: SpeculativeConfig(method="suffix", max_batch=spec.spec_max_batch),
+        "hybrid": lambda: SpeculativeConfig(method="hybrid", model=drafter, max_batch=spec.spec_max_batch),
+        "eagle-chain": lambda: SpeculativeConfig(method="eagle", model=drafter, **common),
         # The same chain at its full depth every step: what dynamic depth (the default) changes.
-        "eagle-chain-fixed": SpeculativeConfig(method="eagle", model=drafter, dynamic_depth=False, **common),
-        "eagle-tree": SpeculativeConfig(method="eagle", model=drafter, eagle_topk=spec.tree_topk,
-                                        num_draft_tokens=spec.tree_tokens, **common),
-        **extra,
+        "eagle-chain-fixed": lambda: SpeculativeConfig(method="eagle", model=drafter, dynamic_depth=False, **common),
+        "eagle-tree": lambda: SpeculativeConfig(method="eagle", model=drafter, eagle_topk=spec.tree_topk,
+                                                num_draft_tokens=spec.tree_tokens, **common),
+        **{k: (lambda v=v: v) for k, v in extra.items()},
     }
     if spec.methods is not None:
         unknown = sorted(set(spec.methods) - set(every))
         if unknown:
             raise ValueError(f"methods {unknown} are unknown; allowed: {sorted(set(every) - {'plain'})}")
         every = {k: v for k, v in every.items() if k == "plain" or k in spec.methods}
-    return every
+    return {k: make() for k, make in every.items()}
 
 
 def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batch: int,
@@ -166,7 +168,8 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
     model, tok = load_model(spec.model)
     drafter = spec.drafter
     drafter_seconds = None
-    if drafter is None:
+    uses_drafter = spec.methods is None or any(m.startswith(("eagle-", "hybrid")) for m in spec.methods)
+    if drafter is None and uses_drafter:  # the default model's, trained on first use: only if a method drafts with it
         from reclaim.drafter.bundled import default_drafter_dir
 
         t = time.perf_counter()

@@ -36,8 +36,9 @@ def test_bench_spec_engines_take_the_file_fields_under_the_bench_own(tiny_model_
     assert built and all(c.block_size == 8 and c.max_model_len == 512 and c.seed == 0 for c in built)
     assert {c.max_num_seqs for c in built} == {1, 2}  # the batch size is the bench's, not the file's 99
     assert {c.speculative is None for c in built} == {True, False}  # plain and suffix, per method
-    spec = json.loads((tmp_path / "out" / "spec.json").read_text())["spec"]
-    assert spec["engine"] == {"block_size": 8, "max_model_len": 512, "max_num_seqs": 99}  # recorded as given
+    result = json.loads((tmp_path / "out" / "spec.json").read_text())
+    assert result["spec"]["engine"] == {"block_size": 8, "max_model_len": 512, "max_num_seqs": 99}  # as given
+    assert result["drafter"] is None  # no EAGLE method asked: the default model's drafter is not trained
 
 
 @pytest.mark.parametrize("text, message", [
