@@ -52,7 +52,7 @@ def built_once(tmp_path_factory, worker_id):
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The default model (SmolLM2-135M-Instruct) as an HF directory; the first use ever converts
-    its GGUF (about a minute), later ones find it in $RECLAIM_CACHE."""
+    its GGUF (about 10 s), later ones find it in $RECLAIM_CACHE."""
     from reclaim.models.loading import default_model_dir as find_or_convert
 
     return find_or_convert()

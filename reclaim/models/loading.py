@@ -293,26 +293,18 @@ def save_model(
 
 # ---- GGUF --------------------------------------------------------------------------------------
 
-# Keys transformers adds to a GGUF-loaded config that describe the load, not the model.
-GGUF_CONFIG_DROP = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")
-
-
 def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize a GGUF file through transformers' loader and write it to `out` as an HF dir."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+    """Dequantize a Llama GGUF file (reclaim/models/gguf.py) and write it to `out` as an HF dir;
+    the tokenizer comes through transformers' GGUF tokenizer loader."""
+    import numpy as np
+    from transformers import AutoTokenizer
 
-    print(f"reclaim: converting {gguf.name} to safetensors in {out.parent} (once; about a minute)",
+    from reclaim.models.gguf import read_llama
+
+    print(f"reclaim: converting {gguf.name} to safetensors in {out.parent} (once; a few seconds)",
           file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    hf = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
-    )
-    # save_pretrained refuses a GGUF-loaded model, so rebuild ours from its config and weights.
-    raw = {k: v for k, v in hf.config.to_dict().items() if k not in GGUF_CONFIG_DROP}
-    # Drop the generic PretrainedConfig attributes left at their defaults (id2label, return_dict...),
-    # keeping every field of ours, whose defaults may differ from transformers'.
-    generic = PretrainedConfig().to_dict()
-    ours = set(LlamaConfig.__dataclass_fields__)
-    raw = {k: v for k, v in raw.items() if k in ours or k not in generic or v != generic[k]}
-    model = build_model(LlamaConfig.from_hf(raw), hf.state_dict(), dtype=torch.float32, source=str(gguf))
+    raw, tensors = read_llama(gguf)
+    weights = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
+    model = build_model(LlamaConfig.from_hf(raw), weights, dtype=torch.float32, source=str(gguf))
     _write_model_dir(model, tokenizer, out, MAX_SHARD_SIZE)
