@@ -42,10 +42,8 @@ class ShardedParams:
         self.release()
 
     def _slice(self, full: torch.Tensor, n: int) -> torch.Tensor:
-        flat = full.reshape(-1)
-        if flat.numel() < n * self.world:
-            flat = torch.cat([flat, flat.new_zeros(n * self.world - flat.numel())])
-        return flat[self.rank * n: (self.rank + 1) * n]
+        """This rank's n values of `full`, flattened and zero-padded to n * world."""
+        return self._padded(full, n)[self.rank * n: (self.rank + 1) * n]
 
     def gather(self) -> None:
         """Every parameter full again, from every rank's slice (its values after the last step)."""
@@ -74,8 +72,11 @@ class ShardedParams:
         return total.item() / self.world
 
     def _padded(self, full: torch.Tensor, n: int) -> torch.Tensor:
+        """`full` flattened (detached) and zero-padded to n * world values."""
         flat = full.detach().reshape(-1)
-        return torch.cat([flat, flat.new_zeros(n * self.world - flat.numel())]) if flat.numel() < n * self.world else flat
+        if flat.numel() < n * self.world:
+            flat = torch.cat([flat, flat.new_zeros(n * self.world - flat.numel())])
+        return flat
 
     @contextmanager
     def gathered(self) -> Iterator[None]:

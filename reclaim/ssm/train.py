@@ -296,10 +296,11 @@ def _save(cfg: SSMTrainConfig, ranks: Ranks, out: Path, step: int, model, opt, s
     from reclaim.ssm import parallel
 
     if shards is not None:
-        full_opt = shards.full_optimizer_state(opt)
+        full = SimpleNamespace(state_dict=lambda: whole)  # what save_checkpoint reads of an optimizer
+        whole = shards.full_optimizer_state(opt)
         with shards.gathered():
             if ranks.rank == 0:
-                save_checkpoint(out, step, _model_writer(model, tokenizer), SimpleNamespace(state_dict=lambda: full_opt), sched, state)
+                save_checkpoint(out, step, _model_writer(model, tokenizer), full, sched, state)
     elif cfg.sharding != "layer":
         if ranks.rank == 0:
             save_checkpoint(out, step, _model_writer(model, tokenizer), opt, sched, state)
