@@ -37,7 +37,7 @@ $(DEV_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/reclaim demo
 
-# Two workers (the CI box has two cores): 870 tests in 3 min 39 s beside another job here, 4 min 24 s on one.
+# Two workers (the CI box has two cores): 1,243 tests in about 4 min on a fresh clone here.
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
