@@ -18,12 +18,11 @@ ENGINE_CONFIG = typer.Option(None, "--engine-config", help="YAML file of EngineC
 
 def _engine_fields(path: str | None) -> dict:
     """The fields of --engine-config's file, each checked by name and value."""
-    from reclaim.config import ConfigError
     from reclaim.engine.config import file_fields
 
     try:
         return file_fields(path)
-    except (ConfigError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # a ConfigError is a ValueError
         raise typer.BadParameter(str(e), param_hint="--engine-config") from e
 
 

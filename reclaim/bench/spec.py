@@ -67,15 +67,28 @@ class SpecBenchSpec:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (--engine-config)
 
 
+# The methods that draft with the EAGLE drafter (`drafter`; the default model's is trained on first use).
+DRAFTER_METHODS = ("hybrid", "eagle-chain", "eagle-chain-fixed", "eagle-tree")
+
+
+def _asked(spec: SpecBenchSpec) -> list[str]:
+    """The methods to run beside plain, in the table's order; an unknown name is refused."""
+    every = ["ngram", "suffix", *DRAFTER_METHODS, *(["eagle3-chain"] if spec.eagle3 is not None else [])]
+    if spec.methods is None:
+        return every
+    unknown = sorted(set(spec.methods) - set(every) - {"plain"})  # plain always runs
+    if unknown:
+        raise ValueError(f"methods {unknown} are unknown; allowed: {sorted(every)}")
+    return [m for m in every if m in spec.methods]
+
+
 def _methods(spec: SpecBenchSpec, drafter: str | None) -> dict[str, Any]:
-    """Every method's SpeculativeConfig, those asked for kept (EAGLE's and hybrid's need `drafter`,
-    None when none of them is asked for)."""
+    """Plain and each asked-for method's SpeculativeConfig (`drafter`: None when none of them
+    drafts with it)."""
     from reclaim.engine.speculative import SpeculativeConfig
 
     common = {"num_speculative_tokens": spec.depth, "max_batch": spec.spec_max_batch}
-    extra = {} if spec.eagle3 is None else {"eagle3-chain": SpeculativeConfig(method="eagle3", model=spec.eagle3, **common)}
-    every = {
-        "plain": lambda: None,
+    make = {
         "ngram": lambda: SpeculativeConfig(method="ngram", prompt_lookup_max=3, **common),
         # History: the prompt and the outputs before it in this run (a fresh server's cache), drafts
         # sized by their confidence (up to 16 tokens).
@@ -86,14 +99,9 @@ def _methods(spec: SpecBenchSpec, drafter: str | None) -> dict[str, Any]:
         "eagle-chain-fixed": lambda: SpeculativeConfig(method="eagle", model=drafter, dynamic_depth=False, **common),
         "eagle-tree": lambda: SpeculativeConfig(method="eagle", model=drafter, eagle_topk=spec.tree_topk,
                                                 num_draft_tokens=spec.tree_tokens, **common),
-        **{k: (lambda v=v: v) for k, v in extra.items()},
+        "eagle3-chain": lambda: SpeculativeConfig(method="eagle3", model=spec.eagle3, **common),
     }
-    if spec.methods is not None:
-        unknown = sorted(set(spec.methods) - set(every))
-        if unknown:
-            raise ValueError(f"methods {unknown} are unknown; allowed: {sorted(set(every) - {'plain'})}")
-        every = {k: v for k, v in every.items() if k == "plain" or k in spec.methods}
-    return {k: make() for k, make in every.items()}
+    return {"plain": None, **{name: make[name]() for name in _asked(spec)}}
 
 
 def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batch: int,
@@ -168,8 +176,7 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
     model, tok = load_model(spec.model)
     drafter = spec.drafter
     drafter_seconds = None
-    uses_drafter = spec.methods is None or any(m.startswith(("eagle-", "hybrid")) for m in spec.methods)
-    if drafter is None and uses_drafter:  # the default model's, trained on first use: only if a method drafts with it
+    if drafter is None and set(_asked(spec)) & set(DRAFTER_METHODS):  # the default model's, trained on first use
         from reclaim.drafter.bundled import default_drafter_dir
 
         t = time.perf_counter()

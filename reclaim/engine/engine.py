@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import warnings
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 

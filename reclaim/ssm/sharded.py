@@ -47,10 +47,8 @@ class ShardedParams:
 
     def gather(self) -> None:
         """Every parameter full again, from every rank's slice (its values after the last step)."""
-        for p, shard, n, shape in zip(self.params, self.shards, self.sizes, self.shapes):
-            full = shard.new_empty(n * self.world)
-            dist.all_gather_into_tensor(full, shard.detach(), group=self.group)
-            p.data = full[: math.prod(shape)].view(shape)
+        for i, (p, shard) in enumerate(zip(self.params, self.shards)):
+            p.data = self._full(shard.detach(), i)
 
     def release(self) -> None:
         """Free the full parameters and their gradients: a rank keeps only its slices."""
@@ -88,6 +86,7 @@ class ShardedParams:
             self.release()
 
     def _full(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's full tensor (its shape) from every rank's slice `shard` of it."""
         out = shard.new_empty(self.sizes[i] * self.world)
         dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
         return out[: math.prod(self.shapes[i])].view(self.shapes[i])
@@ -110,7 +109,3 @@ class ShardedParams:
             state[i] = {k: self._slice(v, self.sizes[i]).clone() if torch.is_tensor(v) and v.dim() > 0 else v
                         for k, v in s.items()}
         opt.load_state_dict({"state": state, "param_groups": full["param_groups"]})
-
-    def nbytes(self) -> int:
-        """Bytes of this rank's slices (what it holds of the parameters between steps)."""
-        return sum(s.numel() * s.element_size() for s in self.shards)
