@@ -211,6 +211,7 @@ def demo(
     speculative: str = typer.Option("suffix", "--speculative", help="The speculative part: suffix (history: "
                                     "nothing to train), eagle (trains and caches the default drafter on first use, "
                                     "about 2-6 min), hybrid, ngram, eagle:PATH, hybrid:PATH or none."),
+    speculative_tokens: int = typer.Option(96, min=1, help="Most tokens per answer of the speculative part."),
 ) -> None:
     """The main job on the default model: batched generation, speculative decoding next to plain,
     learning from feedback while serving, a GRPO step with adaptive speculative rollouts, then a
@@ -226,7 +227,7 @@ def demo(
         speculative = "suffix"
     if speculative != "none":
         typer.echo("\n== speculative decoding: a two-turn chat plain and speculative (lossless) ==")
-        speculative_demo(model, tok, _speculative(speculative, None))
+        speculative_demo(model, tok, _speculative(speculative, None), max_tokens=speculative_tokens)
     if online_rounds > 0:
         from reclaim.online.demo import demo_online
 

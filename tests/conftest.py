@@ -3,8 +3,10 @@ import os
 import pytest
 import torch
 
-# Keep CI's two cores from oversubscribing and make runs repeatable.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep CI's two cores from oversubscribing and make runs repeatable: the cores shared among the
+# xdist workers (one thread each on two cores with `-n 2`), at most two.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture

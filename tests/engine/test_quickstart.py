@@ -42,7 +42,7 @@ def test_speculative_demo_prints_the_plain_text_and_its_speed(smol):
 
     model, tok, _ = smol
     out = io.StringIO()
-    got = speculative_demo(model, tok, SpeculativeConfig(method="suffix"), max_tokens=64, out=out)
+    got = speculative_demo(model, tok, SpeculativeConfig(method="suffix"), max_tokens=32, out=out)
     assert got["identical"] == 1.0 and "same text as plain: True" in out.getvalue()
     assert "tokens per target forward" in out.getvalue() and got["tau"] > 1.5  # turn 2 restates turn 1
 
@@ -54,6 +54,6 @@ def test_demo_command_runs_with_no_drafter_cached(smol, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bundled, "default_drafter_path", lambda: tmp_path / "no-drafter")
     res = CliRunner().invoke(app, ["demo", "--max-tokens", "6", "--ssm-steps", "0", "--online-rounds", "0",
-                                   "--grpo-steps", "0"])
+                                   "--grpo-steps", "0", "--speculative-tokens", "32"])
     assert res.exit_code == 0, res.output
     assert "speculative (suffix" in res.output and "same text as plain: True" in res.output
