@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import typer
 
@@ -63,6 +64,9 @@ SPEC_TOKENS_OPT = typer.Option(None, "--num-speculative-tokens", help="Draft dep
                                "and hybrid 16).")
 SUFFIX_CACHE_OPT = typer.Option(None, "--suffix-cache-tokens", help="suffix, hybrid: tokens of finished "
                                 "sequences kept as history (default 262144; least recently used out).")
+SUFFIX_HISTORY_OPT = typer.Option(None, "--suffix-history", help="suffix, hybrid: a JSON-lines file of earlier "
+                                  "outputs the history starts with, a {\"token_ids\": [...]} or {\"text\": ...} "
+                                  "per line (`reclaim serve` writes one with --save-suffix-history).")
 SPEC_BATCH_OPT = typer.Option(None, "--spec-max-batch", help="Speculation turns off above this many running "
                               "sequences (default 4).")
 SPEC_TOPK_OPT = typer.Option(None, "--eagle-topk", help="eagle: branches per draft node; > 1 drafts a tree.")
@@ -72,7 +76,7 @@ SPEC_FIXED_OPT = typer.Option(False, "--spec-fixed-depth", help="Draft the full 
                               "decodes plainly, probed now and then).")
 
 
-def _speculative(spec: str | None, model: str | None, **fields: int | None):
+def _speculative(spec: str | None, model: str | None, **fields: int | str | None):
     """The SpeculativeConfig for --speculative and its flags; 'eagle' alone is the default drafter."""
     from reclaim.engine.speculative import parse_speculative
 
@@ -91,6 +95,7 @@ def _speculative(spec: str | None, model: str | None, **fields: int | None):
                                  max_batch=fields.get("max_batch"), eagle_topk=fields.get("eagle_topk"),
                                  num_draft_tokens=fields.get("num_draft_tokens"),
                                  suffix_cache_tokens=fields.get("suffix_cache_tokens"),
+                                 suffix_history=fields.get("suffix_history"),
                                  dynamic_depth=False if fields.get("fixed_depth") else None)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
@@ -158,6 +163,7 @@ def generate(
     num_draft_tokens: int = SPEC_TREE_OPT,
     spec_fixed_depth: bool = SPEC_FIXED_OPT,
     suffix_cache_tokens: int = SUFFIX_CACHE_OPT,
+    suffix_history: str = SUFFIX_HISTORY_OPT,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout."""
     import sys
@@ -168,7 +174,7 @@ def generate(
     params = _sampling(max_tokens, temperature, top_p, seed)
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
                         num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
-                        suffix_cache_tokens=suffix_cache_tokens)
+                        suffix_cache_tokens=suffix_cache_tokens, suffix_history=suffix_history)
     engine = _engine(model, dtype, kv_cache_memory, spec)
     ids = engine.tokenizer.encode(prompt) if raw else encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
     stream(engine, ids, params, sys.stdout)
@@ -189,6 +195,7 @@ def chat(
     num_draft_tokens: int = SPEC_TREE_OPT,
     spec_fixed_depth: bool = SPEC_FIXED_OPT,
     suffix_cache_tokens: int = SUFFIX_CACHE_OPT,
+    suffix_history: str = SUFFIX_HISTORY_OPT,
 ) -> None:
     """Chat on stdin: one message per line, replies streamed, history kept ('/reset' clears it)."""
     import sys
@@ -198,7 +205,7 @@ def chat(
     params = _sampling(max_tokens, temperature, top_p, seed)
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
                         num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
-                        suffix_cache_tokens=suffix_cache_tokens)
+                        suffix_cache_tokens=suffix_cache_tokens, suffix_history=suffix_history)
     chat_loop(_engine(model, dtype, kv_cache_memory, spec), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
 
 
@@ -327,6 +334,9 @@ def serve(
     num_draft_tokens: int = SPEC_TREE_OPT,
     spec_fixed_depth: bool = SPEC_FIXED_OPT,
     suffix_cache_tokens: int = SUFFIX_CACHE_OPT,
+    suffix_history: str = SUFFIX_HISTORY_OPT,
+    save_suffix_history: str = typer.Option(None, "--save-suffix-history", help="suffix, hybrid: at shutdown, "
+                                            "write the history's recent outputs to this file (for --suffix-history)."),
     learn: bool = typer.Option(False, "--learn", help="Learn from feedback while serving (POST /v1/feedback): "
                                "prompts recorded at prefill, trained between engine steps."),
     learn_config: str = typer.Option(None, "--config", help="With --learn: YAML file or bundled name of "
@@ -353,7 +363,11 @@ def serve(
     model = model or model_opt
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, max_batch=spec_max_batch,
                         eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
-                        suffix_cache_tokens=suffix_cache_tokens)
+                        suffix_cache_tokens=suffix_cache_tokens, suffix_history=suffix_history)
+    if save_suffix_history is not None and (spec is None or not spec.history):
+        raise typer.BadParameter(f"--save-suffix-history is for --speculative suffix or hybrid, not {speculative!r}")
+    if save_suffix_history is not None and not Path(save_suffix_history).expanduser().parent.is_dir():
+        raise typer.BadParameter(f"--save-suffix-history {save_suffix_history!r}: its directory does not exist")
     learn_cfg = _learn_config(learn, learn_config, record=record, record_budget=record_budget,
                               record_host_budget=record_host_budget)
     try:
@@ -378,7 +392,7 @@ def serve(
                                 split_special_tokens=split_special_tokens,
                                 force_include_usage=enable_force_include_usage,
                                 access_log=not disable_access_log, learn=learn_cfg,
-                                max_ttft_slowdown=max_ttft_slowdown))
+                                max_ttft_slowdown=max_ttft_slowdown, save_suffix_history=save_suffix_history))
 
 
 # ---- ssm: ssm-train (owner: ssm) ----

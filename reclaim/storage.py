@@ -8,12 +8,24 @@ imports nothing from reclaim.
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a file whole or not at all: a temp file beside it, flushed to disk, then renamed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def atomic_dir(path: Path, write: Callable[[Path], None]) -> Path:

@@ -186,8 +186,10 @@ def bench_spec(
     repeats: int = typer.Option(2, help="Interleaved runs of each method per point (median tokens/s)."),
     eagle3: str = typer.Option(None, "--eagle3", help="An EAGLE-3 drafter directory: its chain runs beside the others."),
     methods: str = typer.Option(None, help="Comma-separated methods to run (default all): ngram, suffix, hybrid, "
-                                "eagle-chain, eagle-chain-fixed, eagle-tree, eagle3-chain; plain always runs."),
+                                "eagle-chain, eagle-chain-fixed, eagle-tree, eagle3-chain, suffix-warm; plain always runs."),
     threads: int = typer.Option(1, help="torch threads."),
+    warm_prompts: int = typer.Option(0, min=0, help="suffix-warm: the history starts from the model's answers "
+                                     "to this many other prompts of the same kinds (0: no suffix-warm arm)."),
     engine_config: str = ENGINE_CONFIG,
     out_dir: str = typer.Option("benchmarks", help="Where spec.json and spec.png go."),
 ) -> None:
@@ -199,7 +201,7 @@ def bench_spec(
                          tasks=tasks, max_tokens=max_tokens, depth=depth, tree_topk=tree_topk, tree_tokens=tree_tokens,
                          spec_max_batch=spec_max_batch, repeats=repeats, threads=threads, out_dir=out_dir,
                          eagle3=eagle3, methods=methods.split(",") if methods else None,
-                         engine=_engine_fields(engine_config))
+                         warm_prompts=warm_prompts, engine=_engine_fields(engine_config))
     main(spec)
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
 

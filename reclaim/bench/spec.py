@@ -13,6 +13,7 @@ and its own prompt-lookup decoding (`prompt_lookup_num_tokens`) run as the outsi
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +64,10 @@ class SpecBenchSpec:
     hf_peer: bool = True
     repeats: int = 2  # runs of each method, interleaved (tokens/s: the median, and the spread)
     seed: int = 0
+    # suffix-warm: the history drafter starts from the model's greedy answers to this many other
+    # prompts of the same kinds (seed + 1, none of the measured ones): a server that has served
+    # such traffic before (`--suffix-history`). 0: no such arm.
+    warm_prompts: int = 0
     out_dir: str = "benchmarks"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (--engine-config)
 
@@ -73,7 +78,8 @@ DRAFTER_METHODS = ("hybrid", "eagle-chain", "eagle-chain-fixed", "eagle-tree")
 
 def _asked(spec: SpecBenchSpec) -> list[str]:
     """The methods to run beside plain, in the table's order; an unknown name is refused."""
-    every = ["ngram", "suffix", *DRAFTER_METHODS, *(["eagle3-chain"] if spec.eagle3 is not None else [])]
+    every = ["ngram", "suffix", *(["suffix-warm"] if spec.warm_prompts else []), *DRAFTER_METHODS,
+             *(["eagle3-chain"] if spec.eagle3 is not None else [])]
     if spec.methods is None:
         return every
     unknown = sorted(set(spec.methods) - set(every) - {"plain"})  # plain always runs
@@ -82,9 +88,9 @@ def _asked(spec: SpecBenchSpec) -> list[str]:
     return [m for m in every if m in spec.methods]
 
 
-def _methods(spec: SpecBenchSpec, drafter: str | None) -> dict[str, Any]:
+def _methods(spec: SpecBenchSpec, drafter: str | None, history: str | None = None) -> dict[str, Any]:
     """Plain and each asked-for method's SpeculativeConfig (`drafter`: None when none of them
-    drafts with it)."""
+    drafts with it; `history`: suffix-warm's history file)."""
     from reclaim.engine.speculative import SpeculativeConfig
 
     common = {"num_speculative_tokens": spec.depth, "max_batch": spec.spec_max_batch}
@@ -93,6 +99,7 @@ def _methods(spec: SpecBenchSpec, drafter: str | None) -> dict[str, Any]:
         # History: the prompt and the outputs before it in this run (a fresh server's cache), drafts
         # sized by their confidence (up to 16 tokens).
         "suffix": lambda: SpeculativeConfig(method="suffix", max_batch=spec.spec_max_batch),
+        "suffix-warm": lambda: SpeculativeConfig(method="suffix", max_batch=spec.spec_max_batch, suffix_history=history),
         "hybrid": lambda: SpeculativeConfig(method="hybrid", model=drafter, max_batch=spec.spec_max_batch),
         "eagle-chain": lambda: SpeculativeConfig(method="eagle", model=drafter, **common),
         # The same chain at its full depth every step: what dynamic depth (the default) changes.
@@ -186,7 +193,8 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
     texts = reasoning_prompts(spec.tasks, half, spec.seed) + CHAT[: spec.num_prompts - half]
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in texts]
     prompts = [p for pair in zip(prompts[:half], prompts[half:]) for p in pair]  # mix kinds in every wave
-    methods = _methods(spec, drafter)
+    history = _warm_history(model, tok, spec, texts) if "suffix-warm" in _asked(spec) else None
+    methods = _methods(spec, drafter, history and history["path"])
     points = []
     for temp in spec.temperatures:
         params = SamplingParams(temperature=temp, max_tokens=spec.max_tokens, seed=None)
@@ -217,7 +225,42 @@ def measure(spec: SpecBenchSpec) -> dict[str, Any]:
                     points.append(row)
                     _print(row)
     return {"spec": asdict(spec), "model": str(resolve_model_dir(spec.model)), "drafter": drafter,
-            "drafter_train_seconds": drafter_seconds, "points": points, "meta": finish_metadata(meta)}
+            "drafter_train_seconds": drafter_seconds, "warm_history": history, "points": points,
+            "meta": finish_metadata(meta)}
+
+
+def _warm_history(model: Any, tok: Any, spec: SpecBenchSpec, measured: list[str]) -> dict[str, Any]:
+    """suffix-warm's history: the model's greedy answers (prompt and answer, as a server keeps
+    them) to `warm_prompts` other prompts of the bench's kinds, reasoning tasks and requests drawn
+    with seed + 1, none of them a measured prompt; written to a file in a temp directory."""
+    import tempfile
+
+    from reclaim.data.tasks import make_prompts
+    from reclaim.engine.config import EngineConfig
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.history import write_history
+    from reclaim.engine.request import SamplingParams
+    from reclaim.models.tokenizer import encode_chat
+
+    half = spec.warm_prompts // 2
+    texts = reasoning_prompts(spec.tasks, half, spec.seed + 1) + make_prompts("instruct", spec.warm_prompts - half,
+                                                                             spec.seed + 1)
+    texts = [q for q in texts if q not in set(measured)]
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in texts]
+    t, threads = time.perf_counter(), torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # preparation, not measured: every core
+    try:
+        engine = Engine(model, tok, EngineConfig(**{"max_model_len": 1024, "seed": 0, **spec.engine}), max_num_seqs=32)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=spec.max_tokens))
+    finally:
+        torch.set_num_threads(threads)
+    seconds = time.perf_counter() - t
+    path = str(Path(tempfile.mkdtemp(prefix="reclaim-warm-")) / "history.jsonl")
+    write_history(path, [p + o.token_ids for p, o in zip(prompts, outs)])
+    print(f"suffix-warm history: {len(prompts)} prompts, {sum(len(o.token_ids) for o in outs)} answer tokens "
+          f"in {seconds:.1f} s", flush=True)
+    return {"path": path, "prompts": len(prompts), "answer_tokens": sum(len(o.token_ids) for o in outs),
+            "tokens": sum(len(p) + len(o.token_ids) for p, o in zip(prompts, outs)), "seconds": seconds}
 
 
 def _hf(model: str | None) -> Any:

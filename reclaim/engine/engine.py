@@ -116,7 +116,9 @@ class Engine:
         self._partial: set[str] = set()  # recorded without every prompt hidden state: never drafted
         self.kv_on_weight_update = cfg.kv_on_weight_update
         self.speculative = speculative = cfg.speculative
-        self.proposer = proposer if proposer is not None or speculative is None else make_proposer(speculative, self.model)
+        self.proposer = proposer
+        if proposer is None and speculative is not None:
+            self.proposer = make_proposer(speculative, self.model, self._encode_text)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "draft_calls": 0,
                            "plain_decodes": 0}
         self.policy = SpecPolicy(self.spec_stats)  # whether, with what and how deep to draft
@@ -431,13 +433,19 @@ class Engine:
         warnings.warn("Engine.drafter is deprecated; use Engine.proposer", DeprecationWarning, stacklevel=2)
         return self.proposer
 
+    def _encode_text(self, text: str) -> list[int]:
+        """A history file's text as this engine's tokens (no special tokens added)."""
+        if self.tokenizer is None:
+            raise ValueError("a suffix history with text lines needs the engine's tokenizer; none was given")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
         """Change the speculative config between steps (None: plain decoding). The proposer stays
         the one the engine was built with; an EAGLE proposer takes the new depth and tree shape.
         An adaptive rollout picks the config per step this way."""
         with self._step_lock:
             if config is not None and self.proposer is None:
-                self.proposer = make_proposer(config, self.model)
+                self.proposer = make_proposer(config, self.model, self._encode_text)
             if config is not None and hasattr(self.proposer, "topk"):
                 self.proposer.topk, self.proposer.depth = config.eagle_topk, config.num_speculative_tokens
                 self.proposer.total = config.lookahead

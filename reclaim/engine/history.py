@@ -21,8 +21,10 @@ times (DAS's length-aware budget: the long sequences that set a rollout's makesp
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,11 +105,22 @@ class SuffixProposer:
         index.extend(seq.stream, list(token_ids[seq.synced:]))
         index.close(seq.stream)
         self._keep(seq.group, seq.stream, len(token_ids))
-        stream = next(self._ids)
-        self._indices[_ALL].extend(stream, list(token_ids))
-        self._indices[_ALL].close(stream)
-        self._keep(_ALL, stream, len(token_ids))
+        self.warm([token_ids])
+
+    def warm(self, sequences: list[list[int]]) -> None:
+        """Start the recent-outputs history with earlier outputs (`--suffix-history`): kept and
+        evicted like the sequences this engine finishes, the oldest first."""
+        for tokens in sequences:
+            stream = next(self._ids)
+            self._indices[_ALL].extend(stream, list(tokens))
+            self._indices[_ALL].close(stream)
+            self._keep(_ALL, stream, len(tokens))
         self._evict()
+
+    def recent_outputs(self) -> list[list[int]]:
+        """The recent-outputs history's sequences, oldest first (what `warm` takes back)."""
+        streams = self._indices[_ALL].streams()
+        return [list(streams[s]) for g, s in self._kept if g is _ALL]
 
     def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -241,3 +254,39 @@ def _worth(tree: DraftTree, cost: float, overhead: float) -> tuple[DraftTree | N
     if best_n == 0:
         return None, 0.0
     return tree.cut(best_n), best_rate - 1
+
+
+def read_history(path: str, encode: Callable[[str], list[int]], vocab_size: int) -> list[list[int]]:
+    """Earlier outputs for `SuffixProposer.warm` from a JSON-lines file: per line {"token_ids":
+    [...]} (the target's own tokens, as `write_history` saves them) or {"text": "..."} (encoded
+    here). A token id outside the vocabulary, or a line of neither form, is refused by line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"suffix history {path} line {n} is not JSON ({e.msg})") from None
+            if isinstance(row, dict) and isinstance(row.get("text"), str):
+                out.append(encode(row["text"]))
+                continue
+            ids = row.get("token_ids") if isinstance(row, dict) else None
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"suffix history {path} line {n}: allowed per line are {{\"token_ids\": [int, ...]}} "
+                                 f"or {{\"text\": str}}")
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"suffix history {path} line {n} has token id {bad}; allowed: 0 to {vocab_size - 1} "
+                                 "(a history of another tokenizer?)")
+            out.append(ids)
+    return out
+
+
+def write_history(path: str, sequences: list[list[int]]) -> None:
+    """Sequences as `read_history` reads them, one {"token_ids": [...]} per line, written whole
+    (a crash leaves the old file)."""
+    from reclaim.storage import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps({"token_ids": list(s)}) + "\n" for s in sequences))

@@ -13,11 +13,12 @@ catches up at its next draft). `mode` picks per step which of the two draft: "su
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from reclaim.engine.history import SuffixProposer
+from reclaim.engine.history import SuffixProposer, read_history
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import Draft, Proposer, DraftRequest, NgramProposer, SpeculativeConfig
 
@@ -102,19 +103,34 @@ class HybridProposer:
     def memory(self) -> dict[str, float]:
         return self.history.memory()
 
-
-def history_proposer(cfg: SpeculativeConfig) -> SuffixProposer:
-    return SuffixProposer(cache_tokens=cfg.suffix_cache_tokens, max_depth=cfg.suffix_max_tree_depth,
-                         history_steps=cfg.suffix_history_steps, branch=cfg.suffix_topk,
-                         spec_factor=cfg.suffix_max_spec_factor, min_prob=cfg.suffix_min_token_prob)
+    def recent_outputs(self) -> list[list[int]]:
+        return self.history.recent_outputs()
 
 
-def make_proposer(cfg: SpeculativeConfig, target: torch.nn.Module | None = None) -> Proposer:
-    """The drafter a config names (eagle and hybrid load their EAGLE drafter for `target`)."""
+def history_proposer(cfg: SpeculativeConfig, target: torch.nn.Module | None = None,
+                     encode: Callable[[str], list[int]] | None = None) -> SuffixProposer:
+    """The history drafter a config names, started from its `suffix_history` file if it has one
+    (its token ids checked against `target`'s vocabulary; its text lines encoded by `encode`)."""
+    proposer = SuffixProposer(cache_tokens=cfg.suffix_cache_tokens, max_depth=cfg.suffix_max_tree_depth,
+                              history_steps=cfg.suffix_history_steps, branch=cfg.suffix_topk,
+                              spec_factor=cfg.suffix_max_spec_factor, min_prob=cfg.suffix_min_token_prob)
+    if cfg.suffix_history is not None:
+        def no_tokenizer(text: str) -> list[int]:
+            raise ValueError(f"suffix history {cfg.suffix_history} has text lines, and no tokenizer was given")
+
+        vocab = target.config.vocab_size if target is not None else 1 << 62
+        proposer.warm(read_history(cfg.suffix_history, encode or no_tokenizer, vocab))
+    return proposer
+
+
+def make_proposer(cfg: SpeculativeConfig, target: torch.nn.Module | None = None,
+                  encode: Callable[[str], list[int]] | None = None) -> Proposer:
+    """The drafter a config names (eagle and hybrid load their EAGLE drafter for `target`; a
+    history drafter's `suffix_history` file is read with `encode` for its text lines)."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "suffix":
-        return history_proposer(cfg)
+        return history_proposer(cfg, target, encode)
     if cfg.method in ("eagle", "eagle3"):
         return model_proposer(cfg.model, target, cfg.method, topk=cfg.eagle_topk, depth=cfg.num_speculative_tokens,
                               total=cfg.lookahead)
@@ -122,7 +138,7 @@ def make_proposer(cfg: SpeculativeConfig, target: torch.nn.Module | None = None)
 
     model = model_proposer(cfg.model, target, drafter_layout(cfg.model), topk=cfg.eagle_topk,
                            depth=cfg.hybrid_eagle_tokens, total=cfg.hybrid_eagle_tokens * cfg.eagle_topk)
-    return HybridProposer(history_proposer(cfg), model, model_tokens=cfg.hybrid_eagle_tokens)
+    return HybridProposer(history_proposer(cfg, target, encode), model, model_tokens=cfg.hybrid_eagle_tokens)
 
 
 def model_proposer(path: str, target: torch.nn.Module, layout: str, **tree: int) -> Any:

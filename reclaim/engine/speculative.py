@@ -15,6 +15,8 @@ one small interface: `propose` returns each sequence's draft tokens (and q),
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,6 +53,7 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float = 1.0  # suffix: a draft path is at most this times the match length
     suffix_min_token_prob: float = 0.05  # suffix: tokens less likely than this are not drafted
     suffix_history_steps: int | None = None  # suffix: rounds (GRPO steps) of finished sequences kept; None: all
+    suffix_history: str | None = None  # suffix, hybrid: a JSON-lines file of earlier outputs to start from
     hybrid_eagle_tokens: int = 4  # hybrid: the EAGLE chain's depth beside the suffix draft
     # Per-request depth from its measured acceptance (DepthController): a sequence the drafter
     # keeps missing decodes plainly (re-probed now and then) instead of paying for drafts.
@@ -113,6 +116,12 @@ class SpeculativeConfig:
                              f"{self.suffix_min_token_prob}; need a factor > 0 and 0 <= prob < 1")
         if self.suffix_history_steps is not None and self.suffix_history_steps < 0:
             raise ValueError(f"suffix_history_steps={self.suffix_history_steps}; allowed: >= 0, or None (all)")
+        if self.suffix_history is not None and not self.history:
+            raise ValueError(f"suffix_history={self.suffix_history!r} is for methods suffix and hybrid, "
+                             f"not {self.method!r}")
+        if self.suffix_history is not None and not os.path.isfile(self.suffix_history):
+            raise ValueError(f"suffix_history={self.suffix_history!r} is not a file; allowed: a JSON-lines "
+                             "file of earlier outputs")
         if not 1 <= self.hybrid_eagle_tokens <= 64:
             raise ValueError(f"hybrid_eagle_tokens={self.hybrid_eagle_tokens}; allowed: 1 to 64")
         if self.method in MODEL_METHODS and not self.model:

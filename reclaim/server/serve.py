@@ -138,9 +138,11 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", connections: ConnectionLimits | None = None,
           allowed_origins: tuple[str, ...] = (), split_special_tokens: bool = False,
           force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
-          max_ttft_slowdown: float = 0.1) -> int:
+          max_ttft_slowdown: float = 0.1, save_suffix_history: str | None = None) -> int:
     """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT;
-    with `learn` (an OnlineTrainConfig), also learn from feedback on the responses."""
+    with `learn` (an OnlineTrainConfig), also learn from feedback on the responses. With
+    `save_suffix_history`, the history drafter's recent outputs are written there at shutdown
+    (what `--suffix-history` starts the next server from)."""
     from reclaim.models.loading import load_model, resolve_model_dir
 
     logging.basicConfig(level=log_level.upper(),
@@ -165,7 +167,24 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     server = DrainingServer(config, state, runner, grace=shutdown_timeout)
     log.info("serving %s on http://%s:%d (names %s)", path, host, port, list(names))
     server.run()
+    if save_suffix_history is not None:
+        save_suffix_history_of(runner, save_suffix_history)
     return 0 if server.started else 1
+
+
+def save_suffix_history_of(runner: Any, path: str) -> tuple[int, int]:
+    """Write the engine's history drafter's recent outputs to `path` (for the next server's
+    `--suffix-history`); returns (outputs, tokens), (0, 0) without a history drafter."""
+    recent = getattr(runner.engine.proposer, "recent_outputs", None)
+    if recent is None:
+        return 0, 0
+    from reclaim.engine.history import write_history
+
+    outputs = recent()
+    write_history(path, outputs)
+    tokens = sum(map(len, outputs))
+    log.info("suffix history: %d outputs (%d tokens) written to %s", len(outputs), tokens, path)
+    return len(outputs), tokens
 
 
 class BackgroundServer:

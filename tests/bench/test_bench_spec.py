@@ -44,3 +44,18 @@ def test_bench_spec_runs_the_methods_asked_for_and_refuses_unknown_ones(tiny_mod
     assert {p["method"] for p in result["points"]} == {"plain", "suffix"}
     with pytest.raises(ValueError, match=r"methods \['medusa'\] are unknown"):
         main(SpecBenchSpec(model=str(tiny_model_dir), drafter="unused", methods=["medusa"], out_dir=str(tmp_path)))
+
+
+def test_bench_spec_suffix_warm_starts_from_other_prompts_answers(tiny_model_dir, tmp_path):
+    """suffix-warm's history: answers to prompts none of which is measured, its size reported; its
+    greedy outputs are plain decoding's."""
+    spec = SpecBenchSpec(model=str(tiny_model_dir), drafter="unused", batch_sizes=[1], temperatures=[0.0],
+                         num_prompts=4, max_tokens=6, repeats=1, hf_peer=False, methods=["suffix", "suffix-warm"],
+                         warm_prompts=6, out_dir=str(tmp_path / "out"))
+    main(spec)
+    result = json.loads((tmp_path / "out" / "spec.json").read_text())
+    warm = result["warm_history"]
+    assert warm["prompts"] == 6 and 0 < warm["answer_tokens"] <= 36 and warm["tokens"] > warm["answer_tokens"]
+    rows = {p["method"]: p for p in result["points"]}
+    assert set(rows) == {"plain", "suffix", "suffix-warm"} and rows["suffix-warm"]["identical_to_plain"] == 2
+    assert rows["suffix-warm"]["history"]["kept_tokens"] > rows["suffix"]["history"]["kept_tokens"]

@@ -28,8 +28,8 @@ class ToyTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and i < 2))
 
-    def encode(self, text: str) -> list[int]:
-        out, i = [], 0
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        out, i = [], 0  # no special tokens are ever added
         while i < len(text):
             for n in (2, 1):
                 if text[i:i + n] in self.pieces[2:]:
