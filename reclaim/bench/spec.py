@@ -115,12 +115,10 @@ def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batc
                speculative: Any, engine_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """Generate every prompt with at most `batch` running; tokens/s, tau, draft share, outputs.
     `engine_fields` (EngineConfig's) go over the bench's max_model_len 1024 and seed 0."""
-    from reclaim.engine.config import EngineConfig
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
 
-    base = EngineConfig(**{"max_model_len": 1024, "seed": 0, **(engine_fields or {})})
-    engine = Engine(model, tok, base, max_num_seqs=batch, speculative=speculative)
+    engine = Engine(model, tok, _engine_config(engine_fields), max_num_seqs=batch, speculative=speculative)
     # Warm-up on the chat template's first tokens only: a history drafter must not have seen the
     # answers it is measured on (it starts with nothing, as a fresh server does).
     engine.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))
@@ -146,6 +144,13 @@ def run_engine(model: Any, tok: Any, prompts: list[list[int]], params: Any, batc
     if memory is not None:  # the history drafter's size after the run
         out["history"] = memory()
     return out
+
+
+def _engine_config(fields: dict[str, Any] | None) -> Any:
+    """The bench's engine: max_model_len 1024 and seed 0 under the --engine-config fields."""
+    from reclaim.engine.config import EngineConfig
+
+    return EngineConfig(**{"max_model_len": 1024, "seed": 0, **(fields or {})})
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -236,7 +241,6 @@ def _warm_history(model: Any, tok: Any, spec: SpecBenchSpec, measured: list[str]
     import tempfile
 
     from reclaim.data.tasks import make_prompts
-    from reclaim.engine.config import EngineConfig
     from reclaim.engine.engine import Engine
     from reclaim.engine.history import write_history
     from reclaim.engine.request import SamplingParams
@@ -245,22 +249,23 @@ def _warm_history(model: Any, tok: Any, spec: SpecBenchSpec, measured: list[str]
     half = spec.warm_prompts // 2
     texts = reasoning_prompts(spec.tasks, half, spec.seed + 1) + make_prompts("instruct", spec.warm_prompts - half,
                                                                              spec.seed + 1)
-    texts = [q for q in texts if q not in set(measured)]
-    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in texts]
+    skip = set(measured)
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in texts if q not in skip]
     t, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # preparation, not measured: every core
     try:
-        engine = Engine(model, tok, EngineConfig(**{"max_model_len": 1024, "seed": 0, **spec.engine}), max_num_seqs=32)
-        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=spec.max_tokens))
+        outs = Engine(model, tok, _engine_config(spec.engine), max_num_seqs=32).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=spec.max_tokens))
     finally:
         torch.set_num_threads(threads)
     seconds = time.perf_counter() - t
+    sequences = [p + o.token_ids for p, o in zip(prompts, outs)]
     path = str(Path(tempfile.mkdtemp(prefix="reclaim-warm-")) / "history.jsonl")
-    write_history(path, [p + o.token_ids for p, o in zip(prompts, outs)])
-    print(f"suffix-warm history: {len(prompts)} prompts, {sum(len(o.token_ids) for o in outs)} answer tokens "
-          f"in {seconds:.1f} s", flush=True)
-    return {"path": path, "prompts": len(prompts), "answer_tokens": sum(len(o.token_ids) for o in outs),
-            "tokens": sum(len(p) + len(o.token_ids) for p, o in zip(prompts, outs)), "seconds": seconds}
+    write_history(path, sequences)
+    answer_tokens = sum(len(o.token_ids) for o in outs)
+    print(f"suffix-warm history: {len(prompts)} prompts, {answer_tokens} answer tokens in {seconds:.1f} s", flush=True)
+    return {"path": path, "prompts": len(prompts), "answer_tokens": answer_tokens,
+            "tokens": sum(map(len, sequences)), "seconds": seconds}
 
 
 def _hf(model: str | None) -> Any:

@@ -256,10 +256,11 @@ def _worth(tree: DraftTree, cost: float, overhead: float) -> tuple[DraftTree | N
     return tree.cut(best_n), best_rate - 1
 
 
-def read_history(path: str, encode: Callable[[str], list[int]], vocab_size: int) -> list[list[int]]:
+def read_history(path: str, encode: Callable[[str], list[int]] | None, vocab_size: int | None) -> list[list[int]]:
     """Earlier outputs for `SuffixProposer.warm` from a JSON-lines file: per line {"token_ids":
     [...]} (the target's own tokens, as `write_history` saves them) or {"text": "..."} (encoded
-    here). A token id outside the vocabulary, or a line of neither form, is refused by line."""
+    with `encode`). A token id outside the vocabulary (None: not checked), a text line without
+    `encode`, or a line of neither form, is refused by line."""
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -270,13 +271,15 @@ def read_history(path: str, encode: Callable[[str], list[int]], vocab_size: int)
             except json.JSONDecodeError as e:
                 raise ValueError(f"suffix history {path} line {n} is not JSON ({e.msg})") from None
             if isinstance(row, dict) and isinstance(row.get("text"), str):
+                if encode is None:
+                    raise ValueError(f"suffix history {path} line {n} is text, and no tokenizer was given")
                 out.append(encode(row["text"]))
                 continue
             ids = row.get("token_ids") if isinstance(row, dict) else None
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError(f"suffix history {path} line {n}: allowed per line are {{\"token_ids\": [int, ...]}} "
                                  f"or {{\"text\": str}}")
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            bad = None if vocab_size is None else next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ValueError(f"suffix history {path} line {n} has token id {bad}; allowed: 0 to {vocab_size - 1} "
                                  "(a history of another tokenizer?)")

@@ -115,11 +115,8 @@ def history_proposer(cfg: SpeculativeConfig, target: torch.nn.Module | None = No
                               history_steps=cfg.suffix_history_steps, branch=cfg.suffix_topk,
                               spec_factor=cfg.suffix_max_spec_factor, min_prob=cfg.suffix_min_token_prob)
     if cfg.suffix_history is not None:
-        def no_tokenizer(text: str) -> list[int]:
-            raise ValueError(f"suffix history {cfg.suffix_history} has text lines, and no tokenizer was given")
-
-        vocab = target.config.vocab_size if target is not None else 1 << 62
-        proposer.warm(read_history(cfg.suffix_history, encode or no_tokenizer, vocab))
+        vocab = target.config.vocab_size if target is not None else None
+        proposer.warm(read_history(cfg.suffix_history, encode, vocab))
     return proposer
 
 

@@ -16,7 +16,6 @@ one small interface: `propose` returns each sequence's draft tokens (and q),
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, field
 from typing import Protocol
 
