@@ -29,29 +29,17 @@ from reclaim.engine.request import SamplingParams
 from reclaim.engine.sampling import keyed_uniform, process_logits, sample_each, token_logprobs
 from reclaim.engine.scheduler import ScheduledChunk
 from reclaim.engine.speculative import Draft
-from reclaim.models.kernels.linear import eligible, small_linear, torch_kernels
+from reclaim.models.kernels.linear import linear, torch_kernels
 
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for an LM head on CPU: a few rows through reclaim's kernel, more through
-    oneDNN, which beats MKL's sgemm there (`reclaim bench engine` compares them)."""
-    if eligible(x, weight):
-        return small_linear(x, weight)
-    if x.numel() == x.shape[-1]:
-        return torch.nn.functional.linear(x, weight)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-def head_kernel(device: torch.device, dtype: torch.dtype,
-                kind: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The matmul the engine uses for logits: 'auto' picks reclaim's kernel or oneDNN for fp32 on
-    CPU, 'linear' is plain `F.linear` (what transformers uses; benchmarks compare both)."""
+def head_kernel(kind: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The matmul the engine uses for logits: 'auto' is the layers' own (reclaim's kernel for a
+    few rows of float32 on a CPU, oneDNN for more), 'linear' plain `F.linear` (what transformers
+    uses; benchmarks compare both)."""
     if kind not in HEAD_KERNELS:
         raise ValueError(f"head kernel {kind!r} is unknown; allowed: {list(HEAD_KERNELS)}")
-    if kind == "auto" and device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return cpu_linear
-    return torch.nn.functional.linear
+    return linear if kind == "auto" else torch.nn.functional.linear
 
 
 @dataclass
@@ -104,7 +92,7 @@ class ModelRunner:
         self.blocks = blocks
         self.pool = KVPool(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
                            cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
-        self._head = head_kernel(device, dtype, head)
+        self._head = head_kernel(head)
         # head='linear' also keeps the layers on F.linear: transformers' kernels throughout.
         self._kernels = torch_kernels if head == "linear" else nullcontext
         self.sliding_window = getattr(cfg, "sliding_window", None)

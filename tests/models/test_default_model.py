@@ -1,5 +1,7 @@
 """The embedded default model, SmolLM2-135M-Instruct: ours against transformers on the same directory."""
 
+import copy
+
 import pytest
 import torch
 
@@ -38,7 +40,11 @@ def test_logits_match_transformers(both):
                      torch.randint(0, model.config.vocab_size, (1, 40))], dim=1)
     with torch.no_grad():
         ours = model(ids).logits
-    assert (ours - hf_logits(hf, ids)).abs().max() <= 1e-4
+    theirs = hf_logits(hf, ids)
+    assert (ours - theirs).abs().max() <= 3e-4
+    # As close to the float64 logits as transformers' float32 ones are (the kernels round apart).
+    exact = hf_logits(copy.deepcopy(hf).double(), ids)
+    assert (ours.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max()
 
 
 def test_greedy_decoding_with_cache_matches_transformers_generate(both):

@@ -92,12 +92,30 @@ def test_the_module_takes_the_kernel_only_for_few_row_inference():
     assert lin.weight.grad is not None and torch.equal(lin.weight.grad, x.sum(0).expand(24, 32))
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_more_rows_of_inference_run_onednn_within_rounding():
+    g = torch.Generator().manual_seed(4)
+    lin = kl.Linear(576, 130)
+    for rows in (kl.SMALL_ROWS + 1, 40, 300):
+        x = torch.randn(2, rows, 576, generator=g)
+        with torch.no_grad():
+            assert kl.onednn_eligible(x, lin.weight) and not kl.eligible(x, lin.weight)
+            y = lin(x)
+            assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, lin.weight, lin.bias, "none", [], ""))
+            _close(y, x, lin.weight, lin.bias)
+            with kl.torch_kernels():
+                assert not kl.onednn_eligible(x, lin.weight)
+    assert not kl.onednn_eligible(x, lin.weight)  # training keeps F.linear
+    assert not kl.onednn_eligible(x.double(), lin.weight.double())
+
+
 def test_switched_off_by_the_environment_it_runs_f_linear():
     code = ("from reclaim.models.kernels import linear as kl; import torch;"
-            "print(kl.status()); print(kl.eligible(torch.ones(1, 4), torch.ones(2, 4)))")
+            "print(kl.status()); print(kl.eligible(torch.ones(1, 4), torch.ones(2, 4)));"
+            "print(kl.onednn_eligible(torch.ones(40, 4), torch.ones(2, 4)))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RECLAIM_SMALL_LINEAR": "0"},
                          capture_output=True, text=True, check=True).stdout.split("\n")
-    assert out[0] == "off: switched off by RECLAIM_SMALL_LINEAR=0" and out[1] == "False"
+    assert out[0] == "off: switched off by RECLAIM_SMALL_LINEAR=0" and out[1] == "False" and out[2] == "False"
 
 
 @needs_kernel

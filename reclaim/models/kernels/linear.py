@@ -2,13 +2,15 @@
 
 `Linear` is an `nn.Linear` (same parameters, same state dict, autograd as before) whose forward
 sends inference over at most `SMALL_ROWS` rows of float32 on a CPU to the C kernel: a decode step,
-a speculative verify row, a drafter step. Anything else (prefill, training, other dtypes and
-devices) runs `F.linear` as before.
+a speculative verify row, a drafter step. Float32 inference over more rows on a CPU (a prefill, a
+batch's verify rows together) runs oneDNN's matmul, about twice MKL's sgemm there with one thread.
+Anything else (training, other dtypes and devices) runs `F.linear` as before.
 
 The kernel is compiled with the system C compiler on first use, for this CPU (`-march=native`),
 into `cache_root()/kernels/` (once across processes). Without a compiler, on another OS, or with
-`RECLAIM_SMALL_LINEAR=0`, everything runs `F.linear`; `status()` says which and why. Inside
-`torch_kernels()` this thread runs `F.linear` too (a baseline on transformers' kernels).
+`RECLAIM_SMALL_LINEAR=0`, few rows run `F.linear`; `status()` says which and why.
+`RECLAIM_SMALL_LINEAR=0` turns oneDNN off too. Inside `torch_kernels()` this thread runs `F.linear`
+everywhere (a baseline on transformers' kernels).
 """
 
 from __future__ import annotations
@@ -104,20 +106,30 @@ def torch_kernels() -> Iterator[None]:
         _local.off -= 1
 
 
-def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `small_linear` would take this product: float32 on a CPU, at most SMALL_ROWS rows,
-    no gradient wanted, no autocast."""
+def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Float32 on a CPU, no gradient wanted, no autocast, outside `torch_kernels()`."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and x.numel() <= SMALL_ROWS * x.shape[-1]
         and x.numel() > 0
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not torch.is_autocast_enabled("cpu")  # autocast asks for its own dtype
         and not getattr(_local, "off", 0)
-        and _load() is not None
     )
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `small_linear` would take this product: float32 inference on a CPU over at most
+    SMALL_ROWS rows."""
+    return x.numel() <= SMALL_ROWS * x.shape[-1] and _cpu_inference(x, weight) and _load() is not None
+
+
+def onednn_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` sends this product to oneDNN: float32 inference on a CPU that `small_linear`
+    does not take, where torch has oneDNN and RECLAIM_SMALL_LINEAR is not 0."""
+    return (_cpu_inference(x, weight) and torch.backends.mkldnn.is_available()
+            and os.environ.get("RECLAIM_SMALL_LINEAR", "1") != "0" and not eligible(x, weight))
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,14 +149,16 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `small_linear` where it is eligible."""
+    """F.linear, through `small_linear` or oneDNN where they are eligible."""
     if eligible(x, weight):
         return small_linear(x, weight, bias)
+    if onednn_eligible(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs few-row float32 inference on a CPU through `small_linear`."""
+    """nn.Linear that runs float32 inference on a CPU through `small_linear` (few rows) or oneDNN."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
