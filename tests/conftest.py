@@ -76,3 +76,10 @@ def scan_inputs():
     """make(b, t, d, n, dtype) -> [x, dt, A, B, C, h0]: random selective-scan inputs (float64,
     requiring grad) with a stable A < 0 and a softplus-ed dt."""
     return _scan_inputs
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `launches` (torchrun ranks, a server, the demo: seconds each) run first, in
+    their order: xdist's workers then finish with short tests, together, instead of one waiting
+    on another's last launch."""
+    items.sort(key=lambda item: item.get_closest_marker("launches") is None)

@@ -66,6 +66,7 @@ def _worker(out: Path) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.launches
 def test_two_fsdp_ranks_give_one_process_gradients(tmp_path) -> None:
     out = tmp_path / "rank0.pt"
     torchrun(__file__, str(out), timeout=300)

@@ -3,6 +3,7 @@ generates for the chat-templated conversation, and chat keeps the history."""
 
 import io
 
+import pytest
 from typer.testing import CliRunner
 
 from reclaim.cli import app
@@ -36,6 +37,7 @@ def test_generate_command_prints_the_engine_output(smol, default_model_dir):
     assert want and res.stdout.endswith(want + "\n")
 
 
+@pytest.mark.launches
 def test_speculative_demo_prints_the_plain_text_and_its_speed(smol):
     from reclaim.engine.quickstart import speculative_demo
     from reclaim.engine.speculative import SpeculativeConfig
@@ -47,6 +49,7 @@ def test_speculative_demo_prints_the_plain_text_and_its_speed(smol):
     assert "tokens per target forward" in out.getvalue() and got["tau"] > 1.5  # turn 2 restates turn 1
 
 
+@pytest.mark.launches
 def test_demo_command_runs_with_no_drafter_cached(smol, tmp_path, monkeypatch):
     """`reclaim demo` (what `make demo` runs): with nothing trained or cached it speculates with the
     history drafter."""

@@ -28,6 +28,8 @@ from reclaim.config import load_config
 from reclaim.rl.grpo import train
 from reclaim.rl.grpo_config import GRPOConfig
 
+pytestmark = pytest.mark.launches  # torchrun ranks: run first (tests/conftest.py)
+
 EVEN = "def even(prompts, completions, completion_ids, **kw):\n" \
        "    return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]\n"
 COMPARED = ("loss", "reward", "reward_std", "rewards/even/mean", "completions/mean_length", "grad_norm",

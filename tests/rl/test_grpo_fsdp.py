@@ -30,6 +30,8 @@ from reclaim.config import load_config
 from reclaim.rl.grpo import train
 from reclaim.rl.grpo_config import GRPOConfig
 
+pytestmark = pytest.mark.launches  # torchrun ranks: run first (tests/conftest.py)
+
 FSDP = {"parallelism": "fsdp"}
 REF = {"beta": 0.04, "gradient_checkpointing": True}
 

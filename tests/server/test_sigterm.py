@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from live_server import make_model, make_tokenizer
 from reclaim.models.loading import save_model
@@ -65,6 +66,7 @@ class StreamReader(threading.Thread):
             self.error = exc
 
 
+@pytest.mark.launches
 def test_sigterm_drains_and_exits_zero(tmp_path):
     tokenizer = make_tokenizer()
     model_dir = save_model(make_model(tokenizer, max_position_embeddings=4096), tokenizer,

@@ -25,6 +25,8 @@ import torch
 from reclaim.config import load_config
 from reclaim.ssm import train as T
 
+pytestmark = pytest.mark.launches  # torchrun ranks: run first (tests/conftest.py)
+
 # 3 layers: blocks of 1 and 2 layers; 48 tokens in chunks of 10: segments of 20 and 28 tokens.
 TINY = dict(d_model=16, n_layer=3, d_state=4, context_length=48, chunk_size=10, loss_chunk=16,
             learning_rate=1e-2, max_steps=4, save_steps=2, logging_steps=1, dtype="float64",

@@ -159,6 +159,7 @@ def _worker() -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.launches
 def test_layer_and_time_sharded_equal_autograd_on_two_gloo_ranks(tmp_path) -> None:
     env = {**os.environ, "RECLAIM_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
