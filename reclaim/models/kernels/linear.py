@@ -119,17 +119,24 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _few_rows(x: torch.Tensor) -> bool:
+    return x.numel() <= SMALL_ROWS * x.shape[-1] and _load() is not None
+
+
+# oneDNN where torch has it, unless RECLAIM_SMALL_LINEAR=0 turns reclaim's kernel choice off.
+_ONEDNN = torch.backends.mkldnn.is_available() and os.environ.get("RECLAIM_SMALL_LINEAR", "1") != "0"
+
+
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` would take this product: float32 inference on a CPU over at most
     SMALL_ROWS rows."""
-    return x.numel() <= SMALL_ROWS * x.shape[-1] and _cpu_inference(x, weight) and _load() is not None
+    return _cpu_inference(x, weight) and _few_rows(x)
 
 
 def onednn_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` sends this product to oneDNN: float32 inference on a CPU that `small_linear`
     does not take, where torch has oneDNN and RECLAIM_SMALL_LINEAR is not 0."""
-    return (_cpu_inference(x, weight) and torch.backends.mkldnn.is_available()
-            and os.environ.get("RECLAIM_SMALL_LINEAR", "1") != "0" and not eligible(x, weight))
+    return _ONEDNN and _cpu_inference(x, weight) and not _few_rows(x)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,11 +156,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `small_linear` or oneDNN where they are eligible."""
-    if eligible(x, weight):
-        return small_linear(x, weight, bias)
-    if onednn_eligible(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """F.linear, through `small_linear` or oneDNN where they are eligible (checked once: this
+    runs for every layer's product)."""
+    if _cpu_inference(x, weight):
+        if _few_rows(x):
+            return small_linear(x, weight, bias)
+        if _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
