@@ -22,8 +22,10 @@ class StepCosts:
     s = a + b * B + c * X + d * V, fit by least squares over decayed sums (the last few hundred
     steps count). d is what verifying costs a sequence beyond its tokens (its tree mask, the
     acceptance rule, rolling its cache back); while the steps seen do not tell it from c (every
-    draft as long), the line without it is fit, and while they do not determine that either,
-    `token_cost` answers None and the caller keeps its prior."""
+    draft as long), the line without it is fit. While every step ran at one batch size (a full
+    batch decoding), a and b cannot be told apart: a + b * B is fit as one constant (b = 0), exact
+    at the batch size seen. While the steps do not determine even that, `token_cost` answers None
+    and the caller keeps its prior."""
 
     def __init__(self, decay: float = 0.99, min_steps: int = 8) -> None:
         self.decay, self.min_steps = decay, min_steps
@@ -43,18 +45,21 @@ class StepCosts:
         self.steps += 1
 
     def fit(self) -> tuple[float, float, float, float] | None:
-        """(a, b, c, d) in seconds (d = 0 where the steps seen do not tell it apart), or None
-        while they do not determine a, b and c (solved once per new step: every speculating
+        """(a, b, c, d) in seconds (b or d = 0 where the steps seen do not tell it apart), or
+        None while they do not determine a and c (solved once per new step: every speculating
         sequence asks each step)."""
         if self._solved_at != self.steps and self.steps >= self.min_steps:
             self._solved_at, self._fit = self.steps, None
-            for n in (4, 3):
-                xtx, xty = self._xtx[:n, :n], self._xty[:n]
+            for cols in ([0, 1, 2, 3], [0, 1, 2], [0, 2, 3], [0, 2]):
+                idx = torch.tensor(cols)
+                xtx, xty = self._xtx[idx][:, idx], self._xty[idx]
                 scale = xtx.diagonal().sqrt().clamp_min(1e-12)
                 m = xtx / torch.outer(scale, scale)  # unit diagonal: a fair condition number
                 if torch.linalg.cond(m) < 1e6:
-                    coef = (torch.linalg.solve(m, xty / scale) / scale).tolist()
-                    self._fit = tuple(coef + [0.0] * (4 - n))
+                    coef = [0.0] * 4
+                    for i, value in zip(cols, (torch.linalg.solve(m, xty / scale) / scale).tolist()):
+                        coef[i] = value
+                    self._fit = tuple(coef)
                     break
         return self._fit
 
@@ -195,7 +200,8 @@ class SpecPolicy:
         self.depths = None
         if config is not None and config.dynamic_depth:
             self.depths = DepthController(config.num_speculative_tokens, config.draft_overhead,
-                                          config.draft_token_cost, costs=self.costs)
+                                          config.draft_token_cost,
+                                          costs=self.costs if config.measured_costs else None)
 
     def arm(self, batch: int) -> str:
         """What this step runs at `batch` running sequences: 'plain', or the method (mode) to draft

@@ -59,6 +59,9 @@ class SpeculativeConfig:
     dynamic_depth: bool = True
     draft_overhead: float = 0.05  # a speculative step's fixed extra cost, in plain decode steps
     draft_token_cost: float = 0.05  # drafting and verifying one more token, in plain decode steps
+    # Price drafts with the step costs measured on this engine's own steps (False: the two priors
+    # above always, so draft sizes follow acceptance only and not the machine's timings).
+    measured_costs: bool = True
 
     @property
     def tree(self) -> bool:

@@ -13,7 +13,10 @@ from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import Draft, DraftRequest, NgramProposer, SpeculativeConfig
 from reclaim.engine.rejection import accept
 
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64, prompt_lookup_max=3)
+# Drafts priced by the priors, not by this machine's timings: tiny random models gain nothing from
+# speculating, so measured costs would (rightly) stop the drafting that these tests verify.
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch=64, prompt_lookup_max=3,
+                          measured_costs=False)
 
 
 def _prompts(n, seed=0):
@@ -173,7 +176,8 @@ def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6, spec: Spe
     v = target.config.vocab_size
     plain = _engine(target, max_num_seqs=64, seed=1)
     spec = _engine(target, max_num_seqs=64, seed=2, proposer=drafter,
-                   speculative=spec or SpeculativeConfig(max_batch=64, num_speculative_tokens=2))
+                   speculative=spec or SpeculativeConfig(max_batch=64, num_speculative_tokens=2,
+                                                         measured_costs=False))
 
     def hist(eng):
         c = torch.zeros(v, v, dtype=torch.float64)
@@ -315,6 +319,27 @@ def test_step_costs_fit_the_engines_steps_and_shrink_depths_as_the_batch_grows()
     for batch, drafted, verified in [(1, 0, 0), (2, 0, 0), (1, 2, 1), (4, 16, 2), (4, 4, 4), (16, 8, 8), (2, 3, 1)]:
         heavy.observe(batch, drafted, a + b * batch + c * drafted + 0.05 * verified, verified)
     assert DepthController(8, 0.0, 0.05, costs=heavy).best_depth(0.7, batch=1) == 0
+
+
+def test_step_costs_at_one_batch_size_still_price_draft_tokens_exactly():
+    """A full batch decodes every step at one batch size, so a and b cannot be told apart: the
+    fit takes a + b * B as one constant and still prices a draft token and a verify exactly at
+    that batch size (without this, the caller fell back to its prior at every full batch)."""
+    from reclaim.engine.spec_policy import StepCosts
+
+    a, b, c, d, batch = 0.02, 0.004, 0.003, 0.002, 4
+    costs = StepCosts(min_steps=4)
+    for drafted, verified in [(0, 0), (8, 2), (16, 4), (4, 4), (0, 0), (12, 3), (6, 1), (20, 4)]:
+        costs.observe(batch, drafted, a + b * batch + c * drafted + d * verified, verified)
+    fit = costs.fit()
+    assert fit[1] == 0.0 and fit[0] == pytest.approx(a + b * batch, rel=1e-6)
+    assert fit[2:] == pytest.approx((c, d), rel=1e-6)
+    assert costs.token_cost(batch) == pytest.approx(batch * c / (a + b * batch))
+    assert costs.verify_cost(batch) == pytest.approx(batch * d / (a + b * batch))
+    same = StepCosts(min_steps=4)  # every draft as long too: d folds into c, b and d are 0
+    for drafted in (0, 16, 0, 16, 16, 0):
+        same.observe(batch, drafted, a + b * batch + (c * 4 + d) * (drafted // 4))
+    assert same.fit() == pytest.approx((a + b * batch, 0.0, c + d / 4, 0.0), rel=1e-6)
 
 
 def test_spec_gate_keeps_speculation_only_where_it_yields_more_tokens_per_second():

@@ -78,9 +78,10 @@ def test_an_engine_started_from_a_history_drafts_from_it_and_decodes_as_plain(ti
     plain = Engine(target, num_blocks=128, block_size=4).generate(prompts, params)
     path = tmp_path / "history.jsonl"  # what a server that answered these before kept
     write_history(str(path), [p + o.token_ids for p, o in zip(prompts, plain)])
-    cold = Engine(target, num_blocks=128, block_size=4, speculative=SpeculativeConfig(method="suffix"))
+    cold = Engine(target, num_blocks=128, block_size=4,
+                  speculative=SpeculativeConfig(method="suffix", measured_costs=False))
     warm = Engine(target, num_blocks=128, block_size=4,
-                  speculative=SpeculativeConfig(method="suffix", suffix_history=str(path)))
+                  speculative=SpeculativeConfig(method="suffix", suffix_history=str(path), measured_costs=False))
     outs = {name: [e.generate([p], params)[0].token_ids for p in prompts] for name, e in (("cold", cold), ("warm", warm))}
     assert outs["warm"] == outs["cold"] == [o.token_ids for o in plain]
     assert warm.stats()["spec_accepted"] > cold.stats()["spec_accepted"] + 10 * len(prompts)
