@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # Keep CI's two cores from oversubscribing and make runs repeatable: the cores shared among the
-# xdist workers (one thread each on two cores with `-n 2`), at most two.
+# xdist workers (one thread each with `make test`'s `-n 3` on two cores), at most two.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 

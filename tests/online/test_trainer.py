@@ -50,14 +50,16 @@ def test_plan_says_why():
 
 def test_cost_model_is_measured_on_the_model():
     model = tiny_model()
-    cost = CostModel.measure(model, prompt_tokens=(8, 32), response_tokens=8, repeats=1)
+    cost = CostModel.measure(model, prompt_tokens=(8, 32), response_tokens=8, repeats=3)
     assert cost.saved_s(32) > 0 and cost.reload_s_per_byte > 0 and cost.reuse_overhead_s >= 0
     assert cost.cost_s(RecordInfo("present", 0, "host", 10**6, 32)) > cost.cost_s(
         RecordInfo("present", 0, "device", 10**6, 32))
     assert all(p.grad is None for p in model.parameters())  # measuring leaves no gradients
     # serving's extra for a record: autograd's forward over inference's, plus a forward of its own
-    # for the step's decode rows
-    assert cost.inference_fixed_s > 0 and cost.inference_s_per_token >= 0
+    # for the step's decode rows. The line through two timings may put all of the time in its
+    # slope on a busy machine (a fixed part of 0), but the inference forward is measured.
+    assert cost.inference_fixed_s >= 0 and cost.inference_s_per_token >= 0
+    assert cost.inference_fixed_s + cost.inference_s_per_token * 32 > 0
     assert cost.record_extra_s(32) >= cost.inference_fixed_s
 
 

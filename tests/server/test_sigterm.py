@@ -76,7 +76,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "reclaim.cli", "serve", str(model_dir), "--port", str(port),
          "--max-num-seqs", "4", "--num-blocks", "600", "--max-model-len", "4096",
-         "--shutdown-timeout", "3", "--log-level", "warning"],
+         "--shutdown-timeout", "2", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     # A short stream finishes within the grace period; a long one is cancelled when it ends.
@@ -133,7 +133,7 @@ def test_stuck_engine_at_shutdown_still_ends_streams_without_traceback(uvicorn_l
 
     def step():
         if stuck.is_set():
-            time.sleep(2.5)  # a step far longer than the time left for shutdown
+            time.sleep(1.5)  # a step far longer than the time left for shutdown (1.0 s)
         return real_step()
 
     runner.engine.step = step
