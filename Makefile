@@ -35,7 +35,8 @@ demo: $(STAMP)
 	$(BIN)/reclaim demo
 
 # Three workers on the CI box's two cores: servers, subprocesses and torchrun ranks leave a core
-# idle while a test waits on them (-n 2: 176 s of pytest on a fresh clone here; -n 3: 167 s).
+# idle while a test waits on them (pytest here with bytecode written: 155 s on -n 2, 135 s on -n 3;
+# on a fresh clone 167-178 s either way, each worker compiling what it imports).
 test: $(DEV_STAMP)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist worksteal
 
