@@ -35,8 +35,7 @@ demo: $(STAMP)
 	$(BIN)/reclaim demo
 
 # Three workers on the CI box's two cores: servers, subprocesses and torchrun ranks leave a core
-# idle while a test waits on them (pytest here with bytecode written: 155 s on -n 2, 135 s on -n 3;
-# on a fresh clone 167-178 s either way, each worker compiling what it imports).
+# idle while a test waits on them. On a fresh clone each worker also compiles what it imports.
 test: $(DEV_STAMP)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist worksteal
 

@@ -58,7 +58,6 @@ def test_cost_model_is_measured_on_the_model():
     # serving's extra for a record: autograd's forward over inference's, plus a forward of its own
     # for the step's decode rows. The line through two timings may put all of the time in its
     # slope on a busy machine (a fixed part of 0), but the inference forward is measured.
-    assert cost.inference_fixed_s >= 0 and cost.inference_s_per_token >= 0
     assert cost.inference_fixed_s + cost.inference_s_per_token * 32 > 0
     assert cost.record_extra_s(32) >= cost.inference_fixed_s
 

@@ -133,7 +133,7 @@ def test_stuck_engine_at_shutdown_still_ends_streams_without_traceback(uvicorn_l
 
     def step():
         if stuck.is_set():
-            time.sleep(1.5)  # a step far longer than the time left for shutdown (1.0 s)
+            time.sleep(1.5)  # a step longer than the time left for shutdown (1.0 s)
         return real_step()
 
     runner.engine.step = step
