@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "rl"))
-from rl_helpers import tiny_target, torchrun  # noqa: E402
+from rl_helpers import rank_main, tiny_target, torchrun  # noqa: E402
 
 from reclaim.fsdp import decoder_layers, shard_bytes  # noqa: E402
 
@@ -126,4 +126,4 @@ def test_fsdp_refuses_a_model_without_decoder_layers() -> None:
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    rank_main(_worker, sys.argv[1])

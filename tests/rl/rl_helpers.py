@@ -59,9 +59,20 @@ def fixed_depth(**fields):
 
 def torchrun(script: str, *args: str, timeout: int = 600) -> None:
     """`script` under torchrun on two local ranks (one thread each, this folder importable), with
-    its stderr in the failure."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    its stderr in the failure (Python and C++ stacks where a rank dies on a signal)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            script, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def rank_main(worker, root: str) -> None:  # noqa: ANN001
+    """A torchrun rank's entry: `worker(Path(root))`, which has destroyed its process group, then
+    exit at once. Interpreter finalization is skipped: there gloo's C++ threads can still hold
+    tensors and abort the process ("terminate called without an active exception", pytorch/pytorch
+    #190489), which failed a CI run after every rank had written its results."""
+    worker(Path(root))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

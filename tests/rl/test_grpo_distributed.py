@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_helpers import make_tokenizer, tiny_target, torchrun
+from rl_helpers import make_tokenizer, rank_main, tiny_target, torchrun
 from reclaim.config import load_config
 from reclaim.rl.grpo import train
 from reclaim.rl.grpo_config import GRPOConfig
@@ -297,4 +297,4 @@ def test_a_checkpoint_without_its_dcp_trainer_state_is_refused_by_name(runs) -> 
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    rank_main(_worker, sys.argv[1])

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_helpers import make_tokenizer, tiny_target, torchrun
+from rl_helpers import make_tokenizer, rank_main, tiny_target, torchrun
 from test_grpo_distributed import ACCUM, EVEN, _same_run, fields
 from reclaim.config import load_config
 from reclaim.rl.grpo import train
@@ -119,4 +119,4 @@ def test_fsdp_options_are_checked_by_name() -> None:
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    rank_main(_worker, sys.argv[1])
