@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,11 +68,11 @@ def torchrun(script: str, *args: str, timeout: int = 600) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def rank_main(worker, root: str) -> None:  # noqa: ANN001
+def rank_main(worker: Callable[[Path], None], root: str) -> None:
     """A torchrun rank's entry: `worker(Path(root))`, which has destroyed its process group, then
     exit at once. Interpreter finalization is skipped: there gloo's C++ threads can still hold
     tensors and abort the process ("terminate called without an active exception", pytorch/pytorch
-    #190489), which failed a CI run after every rank had written its results."""
+    #190489), the likely cause of a rank's SIGABRT without a Python traceback in one CI run."""
     worker(Path(root))
     sys.stdout.flush()
     sys.stderr.flush()
