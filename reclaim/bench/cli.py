@@ -206,6 +206,33 @@ def bench_spec(
     typer.echo(f"wrote {out_dir}/spec.json and {out_dir}/spec.png")
 
 
+@bench_app.command("verify")
+def bench_verify(
+    model: str = typer.Argument(None, help="Model directory or GGUF file; omitted: SmolLM2-135M's shape "
+                                "with random weights (a step's cost does not depend on them)."),
+    device: str = typer.Option(None, help="Torch device (default: cuda when there is one, else cpu)."),
+    dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes: float32, bfloat16, float16."),
+    batch_sizes: str = typer.Option("1,4,16", help="Comma-separated sequences per step."),
+    widths: str = typer.Option("1,2,3,4,6,8,12,16", help="Comma-separated tokens verified per sequence (draft + 1)."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    repeats: int = typer.Option(10, help="Timed calls per width (the median is kept)."),
+    tiny: bool = typer.Option(False, "--tiny", help="A two-layer model: a smoke run."),
+    out_dir: str = typer.Option("benchmarks/verify", help="Where verify.json and verify.png go."),
+) -> None:
+    """What a verify of T tokens per sequence costs against a plain decode step: the tau a drafter needs to pay."""
+    from reclaim.bench.verify import VerifyBenchSpec, main
+
+    try:
+        spec = VerifyBenchSpec(model=model, tiny=tiny, device=device, dtypes=dtypes.split(","),
+                               batch_sizes=[int(b) for b in batch_sizes.split(",")],
+                               widths=[int(w) for w in widths.split(",")], threads=threads, repeats=repeats,
+                               out_dir=out_dir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    main(spec)
+    typer.echo(f"wrote {out_dir}/verify.json and {out_dir}/verify.png")
+
+
 @bench_app.command("rl")
 def bench_rl(
     model: str = typer.Argument(None, help="HF model directory; omitted: the config's (the bundled SmolLM2)."),
