@@ -105,7 +105,7 @@ def measure(model: torch.nn.Module, dev: torch.device, batch: int, widths: list[
     with torch.inference_mode():
         for w in widths:
             batch_rows = [Row(r, lens[r] - w, [1] * w) for r in ids]  # within each sequence's cached blocks
-            ms = _timed(lambda: runner.logits(runner.forward(batch_rows)).argmax(-1).tolist(), dev, repeats)
+            ms = _timed(lambda: runner.logits(torch.cat(runner.forward(batch_rows))).argmax(-1).tolist(), dev, repeats)
             rows.append({"tokens": w, "draft_tokens": w - 1, "ms": ms, "over_plain": ms / plain})
     for r in ids:
         engine.abort_request(r)

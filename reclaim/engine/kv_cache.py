@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from reclaim.engine.config import GIB
-from reclaim.models.cache import attention_mask
+from reclaim.models.cache import causal_mask, needs_mask
+from reclaim.models.kernels.paged import PagedRows, paged_attention
 
 
 class BlockManager:
@@ -149,10 +151,10 @@ def plan_kv_blocks(
 
 
 class KVPool:
-    """K and V for every block: tensors [layers, Hkv, blocks, block_size, D].
+    """K and V for every block: tensors [layers, blocks, Hkv, block_size, D].
 
-    Heads come before blocks so that a gathered context is, per head, one contiguous [S, D]
-    matrix, which is what the attention kernel reads fastest.
+    Each layer is the [blocks, Hkv, block_size, D] pool that paged attention reads in place
+    (models/kernels/paged.py; FlashInfer's HND layout): one head's keys of a block are contiguous.
     """
 
     def __init__(
@@ -166,14 +168,28 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
-        # Zeros, not empty: padding reads land in real blocks' unused slots, and garbage could be NaN.
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        # Zeros, not empty: a kernel never reads unwritten slots, but garbage could be NaN in a dump.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
-        # Slot views [layers, Hkv, blocks * block_size, D] share storage with k and v.
-        slots = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        self.k_slots, self.v_slots = self.k.view(slots), self.v.view(slots)
+
+    def slots(self, table: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) index tensors of a sequence's `positions` under its block `table`."""
+        bs = self.block_size
+        return (torch.tensor([table[p // bs] for p in positions], device=self.k.device),
+                torch.tensor([p % bs for p in positions], device=self.k.device))
+
+    def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V [N, Hkv, D] at N (block, offset) slots of `layer`."""
+        blk, off = where
+        self.k[layer][blk, :, off] = k
+        self.v[layer][blk, :, off] = v
+
+    def move(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy the K/V of slots `src` to slots `dst` in every layer."""
+        for kv in (self.k, self.v):
+            kv[:, dst[0], :, dst[1]] = kv[:, src[0], :, src[1]]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -192,13 +208,30 @@ class KVPool:
         return PagedView(self, tables, past, new, sliding_window=sliding_window, trees=trees)
 
 
-class PagedView:
-    """One forward's window on the pool: writes the new K/V to their slots and gathers each row's
-    blocks, padded to the longest row (in whole blocks), with a mask: causal within the new
-    tokens, padding hidden, and keys older than `sliding_window` hidden.
+def tree_depths(parents: list[int], row: int) -> tuple[list[int], list[list[bool]]]:
+    """Each new token's depth in a speculative tree and which of the new tokens it sees (its
+    ancestors and itself), from each token's parent among them (-1: the cached prefix)."""
+    n = len(parents)
+    depth, seen = [0] * n, [[False] * n for _ in range(n)]
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"tree row {row}: token {i} has parent {p}; a parent must come before it")
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            seen[i] = list(seen[p])
+        seen[i][i] = True
+    return depth, seen
 
-    Index tensors and the mask are built once here, not per layer. `positions` [B, T] are the
-    absolute positions to feed the model (padded query rows get harmless positions).
+
+class PagedView:
+    """One forward's window on the pool, over rows packed one after another (no padding): the
+    model runs on [1, N] tokens, `positions` [1, N]; each layer's attention (`attend`) writes
+    the new K/V to their slots and attends in place.
+
+    Rows whose tokens are a whole fresh prompt attend to their own new K/V (SDPA, causal); every
+    other row (decodes, chunks after a cached prefix, speculative trees) reads the pool through
+    the paged kernel (models/kernels/paged.py). Everything a layer needs is built here once, on
+    the host, and copied to the device in one go per tensor.
     """
 
     def __init__(
@@ -213,94 +246,86 @@ class PagedView:
             raise ValueError(f"sliding_window={sliding_window}; allowed: >= 1 or None")
         device = pool.k.device
         bs, w = pool.block_size, sliding_window
-        b, t = len(new), max(new)
+        trees = trees or [None] * len(new)
         total = [p + n for p, n in zip(past, new)]
-        nblk = -(-max(total) // bs)
         if any(len(tb) * bs < n for tb, n in zip(tables, total)):
             raise ValueError(f"block tables too short for totals {total} at block_size {bs}")
-        # Each row reads blocks lo..nblk-1 (block 0 stands in where a row has fewer); blocks
-        # below lo hold only keys older than every query's window.
-        lo = 0 if w is None else min(max(0, p + 1 - w) for p in past) // bs
-        table_t = torch.tensor([(tb + [0] * nblk)[:nblk] for tb in tables], device=device)
-        self.read_blocks = table_t[:, lo:].reshape(-1)
-        s = (nblk - lo) * bs
-        past_t = torch.tensor(past, device=device)
-        new_t = torch.tensor(new, device=device)
-        key_pos = lo * bs + torch.arange(s, device=device)  # absolute position of each read key
-        self.positions = past_t[:, None] + torch.arange(t, device=device)  # [B, T]
-        query_ok = torch.arange(t, device=device) < new_t[:, None]  # [B, T]
-        pos = self.positions[query_ok]
-        rows = torch.arange(b, device=device)[:, None].expand(b, t)[query_ok]
-        self.write_idx = table_t[rows, pos // bs] * bs + pos % bs
-        # Rows of the [B*T] new K/V that are real tokens; None when no row is padded.
-        self.src_idx = None if min(new) == t else query_ok.reshape(-1).nonzero().squeeze(1)
-        self.shape = (b, t, s)
+        starts = [0]
+        for n in new:
+            starts.append(starts[-1] + n)
+        pos: list[int] = []
+        hi: list[int] = []
+        blk: list[int] = []
+        tree_rows: dict[int, list[list[bool]]] = {}
+        for r, (tb, p, n, parents) in enumerate(zip(tables, past, new, trees)):
+            blk += [tb[s // bs] for s in range(p, p + n)]
+            if parents is None:
+                pos += range(p, p + n)
+                hi += range(p + 1, p + n + 1)
+            else:
+                if len(parents) != n:
+                    raise ValueError(f"tree row {r} has {len(parents)} parents for {n} new tokens")
+                depth, seen = tree_depths(parents, r)
+                pos += [p + d for d in depth]
+                hi += [p + n] * n
+                tree_rows[r] = seen
+        # Fresh prompts attend to their own K/V; the rest read the pool.
+        self.fresh = [r for r in range(len(new)) if past[r] == 0 and new[r] > 1 and r not in tree_rows]
+        paged = [r for r in range(len(new)) if r not in set(self.fresh)]
+        self.spans = list(zip(starts[:-1], starts[1:]))
+        i32 = dict(dtype=torch.int32, device=device)
+        width = max([len(tables[r]) for r in paged], default=1)
+        tree = None
+        if tree_rows:
+            t = max(len(s) for s in tree_rows.values())
+            mask = [[False] * t for _ in range(starts[-1])]
+            for r, seen in tree_rows.items():
+                for i, row in enumerate(seen):
+                    mask[starts[r] + i][: len(row)] = row
+            tree = torch.tensor(mask, dtype=torch.uint8, device=device)
+        self.rows = PagedRows(
+            tables=torch.tensor([(tables[r] + [0] * width)[:width] for r in paged], **i32).reshape(len(paged), width),
+            q_start=torch.tensor([starts[r] for r in paged], **i32),
+            q_end=torch.tensor([starts[r + 1] for r in paged], **i32),
+            past=torch.tensor([past[r] for r in paged], **i32),
+            q_pos=torch.tensor(pos, **i32), q_hi=torch.tensor(hi, **i32), tree=tree,
+            tree_row=torch.tensor([r in tree_rows for r in paged], dtype=torch.uint8, device=device),
+            window=w,
+        )
+        self.positions = torch.tensor(pos, device=device)[None]  # [1, N]
+        # Where each new token's K/V goes: its slot's block and offset.
+        offsets = [s % bs for p, n in zip(past, new) for s in range(p, p + n)]
+        self.slot_mapping = (torch.tensor(blk, device=device), torch.tensor(offsets, device=device))
         self.pool = pool
         self.sliding_window = w
-        self.mask: torch.Tensor | None = None  # None: plain causal attention over the new tokens
-        self.fresh_prompt = b == 1 and past[0] == 0
-        # One row decoding one token sees exactly its keys, the last w of them: cut the read
-        # keys to those and skip the mask.
-        self.cut: slice | None = None
-        if b == 1 and t == 1:
-            self.cut = slice(max(0, total[0] - (w or total[0])) - lo * bs, total[0] - lo * bs)
-        elif self.fresh_prompt:
-            if w is not None and t > w:  # keys are the new tokens themselves
-                self.mask = attention_mask(self.positions, torch.arange(t, device=device), w)
-        else:
-            key_ok = key_pos < (past_t + new_t)[:, None]
-            mask = attention_mask(self.positions, key_pos, w)
-            if w is not None and min(new) < t:
-                # Padded query rows see all their row's real keys, so no softmax row is all -inf.
-                mask |= ~query_ok[:, None, :, None] & attention_mask(self.positions, key_pos)
-            self.mask = mask & key_ok[:, None, None, :]
-        if trees is not None and any(tr is not None for tr in trees):
-            self._tree(trees, past_t, key_pos, t)
+        self.num_tokens = starts[-1]
 
-    def _tree(self, trees: list[list[int] | None], past_t: torch.Tensor, key_pos: torch.Tensor, t: int) -> None:
-        """Tree rows (speculative verification): new token i is stored at slot position past + i but
-        sits at position past + depth(i) and, of the row's new tokens, sees only its ancestors and
-        itself (parents come before their children)."""
-        device = past_t.device
-        b = len(trees)
-        anc = torch.ones(b, t, t, dtype=torch.bool).tril()
-        depth = torch.arange(t).expand(b, t).clone()
-        for r, parents in enumerate(trees):
-            if parents is None:
-                continue
-            n = len(parents)
-            a = torch.eye(n, dtype=torch.bool)
-            for i, p in enumerate(parents):
-                if p >= 0:
-                    if p >= i:
-                        raise ValueError(f"tree row {r}: token {i} has parent {p}; a parent must come before it")
-                    a[i] |= a[p]
-                    depth[r, i] = depth[r, p] + 1
-                else:
-                    depth[r, i] = 0
-            anc[r, :n, :n] = a
-        anc, depth = anc.to(device), depth.to(device)
-        self.positions = past_t[:, None] + depth
-        new_idx = key_pos[None, :] - past_t[:, None]  # [B, S]: which new token a key is, if any
-        in_new = (new_idx >= 0) & (new_idx < t)
-        seen = anc.gather(2, new_idx.clamp(0, t - 1)[:, None, :].expand(b, t, -1))
-        self.mask = self.mask & (~in_new[:, None, :] | seen)[:, None]
+    def pack(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """The rows' new token ids as the model's input [1, N]."""
+        flat = [t for row in token_ids for t in row]
+        if len(flat) != self.num_tokens:
+            raise ValueError(f"{len(flat)} token ids for a view of {self.num_tokens} new tokens")
+        return torch.tensor(flat, device=self.pool.k.device)[None]
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """A packed output [1, N, ...] as each row's [new tokens, ...]."""
+        return [x[0, a:b] for a, b in self.spans]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store this layer's new K/V ([B, Hkv, T, D]) and return the rows' full contexts."""
-        b, t, s = self.shape
-        h, d = k.shape[1], k.shape[-1]
-        kf = k.transpose(0, 1).reshape(h, b * t, d)
-        vf = v.transpose(0, 1).reshape(h, b * t, d)
-        if self.src_idx is not None:
-            kf, vf = kf.index_select(1, self.src_idx), vf.index_select(1, self.src_idx)
-        self.pool.k_slots[layer].index_copy_(1, self.write_idx, kf)
-        self.pool.v_slots[layer].index_copy_(1, self.write_idx, vf)
-        if self.fresh_prompt:
-            return k, v, self.mask
-        # [Hkv, B * nblk, bs, D] -> [B, Hkv, S, D], contiguous per (row, head)
-        k_all = self.pool.k[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
-        v_all = self.pool.v[layer].index_select(1, self.read_blocks).view(h, b, s, d).transpose(0, 1)
-        if self.cut is not None:
-            k_all, v_all = k_all[:, :, self.cut], v_all[:, :, self.cut]
-        return k_all, v_all, self.mask
+        raise TypeError("a PagedView attends in place: call attend(layer, q, k, v)")
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this layer's new K/V ([N, Hkv, D]) in their slots and return the attention of
+        the queries ([N, nh, D]) as [N, nh, D]."""
+        self.pool.write(layer, self.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        w, gqa = self.sliding_window, k.shape[1] != q.shape[1]
+        for r in self.fresh:
+            a, b = self.spans[r]
+            mask = causal_mask(b - a, 0, q.device, w) if needs_mask(b - a, 0, w) else None
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
+                                               v[a:b].transpose(0, 1)[None], attn_mask=mask,
+                                               is_causal=mask is None, enable_gqa=gqa)
+            out[a:b] = o[0].transpose(0, 1)
+        paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.rows, out)
+        return out

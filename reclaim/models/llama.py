@@ -68,16 +68,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: AttentionCache | None, packing: Packing | None = None):
-        """x [B, T, H], or [N, H] with `packing`: a ragged batch's real tokens only (the
-        projections skip the padding; attention runs on the padded [B, T])."""
+    def forward(self, x, cos, sin, cache: AttentionCache | None):
+        """x [B, T, H]; cos, sin [B, 1, T, D]. A cache with `attend` (the engine's paged view of
+        packed rows, B = 1) stores the new K/V and attends itself."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if packing is not None:
-            q, k, v = packing.pad(q), packing.pad(k), packing.pad(v)
         b, t, _ = q.shape
         q, k, v = q.view(b, t, self.nh, self.hd), k.view(b, t, self.nkv, self.hd), v.view(b, t, self.nkv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        attend = getattr(cache, "attend", None)
+        if attend is not None:  # [N, heads, D] rows: RoPE over [B * T, 1, D]
+            cos, sin = cos.transpose(1, 2).flatten(0, 1), sin.transpose(1, 2).flatten(0, 1)
+            q, k = apply_rope(q.flatten(0, 1), cos, sin), apply_rope(k.flatten(0, 1), cos, sin)
+            o = attend(self.layer, q, k, v.flatten(0, 1))
+            return self.o_proj(o.view(b, t, self.nh * self.hd))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask = None
@@ -89,7 +93,7 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
                                            enable_gqa=self.nkv != self.nh)
         o = o.transpose(1, 2).reshape(b, t, self.nh * self.hd)
-        return self.o_proj(o if packing is None else packing.pack(o))
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -112,28 +116,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, packing: Packing | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, packing)
+    def forward(self, x, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Packing(NamedTuple):
-    """A ragged batch's real tokens: `index` [N] of the B*T padded positions. Every layer but
-    attention runs on the N real tokens (a verify row of 8 beside decode rows of 1 costs 8 + 1
-    tokens, not 16); attention pads them back."""
-
-    index: torch.Tensor
-    b: int
-    t: int
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, ...] -> [N, ...]"""
-        return x.reshape(self.b * self.t, *x.shape[2:]).index_select(0, self.index)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [B, T, ...], zeros at the padding."""
-        out = x.new_zeros(self.b * self.t, *x.shape[1:]).index_copy_(0, self.index, x)
-        return out.view(self.b, self.t, *x.shape[1:])
 
 
 class Backbone(nn.Module):
@@ -192,18 +177,14 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        real = getattr(cache, "src_idx", None)  # a paged view of ragged rows: its real tokens
-        packing = None if real is None else Packing(real, b, t)
-        x = self.model.embed_tokens(input_ids if packing is None else packing.pack(input_ids))
+        x = self.model.embed_tokens(input_ids)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         taps = {} if aux_layers is None else check_aux_layers(aux_layers, len(self.model.layers))
         for i, layer in enumerate(self.model.layers):
             if i in taps:
                 taps[i] = x
-            x = layer(x, cos, sin, cache, packing)
+            x = layer(x, cos, sin, cache)
         hidden = self.model.norm(x)
-        if packing is not None:
-            hidden, taps = packing.pad(hidden), {i: packing.pad(h) for i, h in taps.items()}
         logits = None
         if compute_logits:
             h = hidden

@@ -114,12 +114,10 @@ def test_paged_view_prefill_and_decode_match_transformers_beyond_the_window(wind
         new = [end - start for _, start, end in rows]
         view = pool.view([bm.tables[n] for n, _, _ in rows], [s for _, s, _ in rows], new,
                          sliding_window=c.sliding_window)
-        t = max(new)
-        ids = torch.tensor([seqs[n][s:e] + [0] * (t - (e - s)) for n, s, e in rows])
         with torch.inference_mode():
-            got = model(ids, view.positions, view).logits
+            got = view.split(model(view.pack([seqs[n][s:e] for n, s, e in rows]), view.positions, view).logits)
         for i, (name, start, end) in enumerate(rows):
-            assert (got[i, : end - start] - want[name][start:end]).abs().max() <= TOL, (rows, name)
+            assert (got[i] - want[name][start:end]).abs().max() <= TOL, (rows, name)
 
     run([("a", 0, 20)])  # fresh prompt: 20 > window, masked without a gather
     run([("b", 0, 6)])
@@ -132,12 +130,23 @@ def test_paged_view_prefill_and_decode_match_transformers_beyond_the_window(wind
 
 
 def test_paged_view_reads_only_the_blocks_a_window_can_see(windowed):
+    """Keys older than the window are never read: blocks holding only such keys are poisoned
+    with NaN, and the decode row's attention is still that of its window."""
     model, _ = windowed
     c = model.config
     pool = KVPool(c.num_hidden_layers, 16, 4, c.num_key_value_heads, c.head_dim)
-    view = pool.view([list(range(10))], [36], [1], sliding_window=WINDOW)
-    assert view.read_blocks.tolist() == [7, 8, 9]  # keys 29..36 live in blocks 7-9
-    assert view.mask is None  # a lone decode row needs no mask
+    g = torch.Generator().manual_seed(0)
+    pool.k.normal_(generator=g)
+    pool.v.normal_(generator=g)
+    view = pool.view([list(range(10))], [36], [1], sliding_window=WINDOW)  # sees keys 29..36
+    q = torch.randn(1, c.num_attention_heads, c.head_dim, generator=g)
+    k, v = pool.k[0, 9, :, 0], pool.v[0, 9, :, 0]  # the new token's own K/V (slot 36: block 9, offset 0)
+    want = view.attend(0, q, k, v)
+    pool.k[0, :7], pool.v[0, :7] = float("nan"), float("nan")  # keys 0..27
+    got = view.attend(0, q, k, v)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want)
+
 
 
 def test_qwen2_window_on_every_layer_matches_transformers(tmp_path, one_thread):

@@ -155,4 +155,4 @@ def test_a_compiler_that_fails_leaves_f_linear_with_a_warning(tmp_path):
     status, shape = done.stdout.strip().split("\n")
     assert status.startswith("off: could not build the kernel:") and "cc: no such luck" in status
     assert shape == "(1, 2)"
-    assert "small-row linear kernel unavailable" in done.stderr
+    assert "C kernel small_linear unavailable" in done.stderr

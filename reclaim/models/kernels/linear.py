@@ -6,8 +6,7 @@ a speculative verify row, a drafter step. Float32 inference over more rows on a 
 batch's verify rows together) runs oneDNN's matmul, about twice MKL's sgemm there with one thread.
 Anything else (training, other dtypes and devices) runs `F.linear` as before.
 
-The kernel is compiled with the system C compiler on first use, for this CPU (`-march=native`),
-into `cache_root()/kernels/` (once across processes). Without a compiler, on another OS, or with
+The kernel is compiled on first use (cbuild.py). Without a compiler, on another OS, or with
 `RECLAIM_SMALL_LINEAR=0`, few rows run `F.linear`; `status()` says which and why.
 `RECLAIM_SMALL_LINEAR=0` turns oneDNN off too. Inside `torch_kernels()` this thread runs `F.linear`
 everywhere (a baseline on transformers' kernels).
@@ -16,26 +15,17 @@ everywhere (a baseline on transformers' kernels).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reclaim.paths import cache_root
-from reclaim.storage import build_once
+from reclaim.models.kernels import cbuild
 
-SOURCE = Path(__file__).with_name("small_linear.c")
 # Rows up to which the kernel beats MKL and oneDNN on SmolLM2's shapes (measured by
 # `reclaim bench engine`: benchmarks/engine.md).
 SMALL_ROWS = 16
@@ -44,45 +34,14 @@ _why_not: str | None = None  # set once loading failed or was switched off
 _local = threading.local()  # .off: depth of torch_kernels() on this thread
 
 
-def _cpu_key() -> str:
-    """What the compiled code depends on: the source, the compiler and this CPU's features."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(platform.machine().encode())
-    try:
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-        h.update(flags[0].encode() if flags else b"")
-    except OSError:
-        pass
-    h.update(subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.encode())
-    return h.hexdigest()[:16]
-
-
-def _compile(out_dir: Path) -> None:
-    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o",
-           str(out_dir / "small_linear.so")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
-
-
 def _load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None where it cannot be had."""
     global _lib, _why_not
     if _lib is not None or _why_not is not None:
         return _lib
-    if os.environ.get("RECLAIM_SMALL_LINEAR", "1") == "0":
-        _why_not = "switched off by RECLAIM_SMALL_LINEAR=0"
-        return None
-    if sys.platform != "linux" or shutil.which("cc") is None:
-        _why_not = f"needs Linux and a C compiler ('cc'); platform {sys.platform!r}, cc {shutil.which('cc')!r}"
-        return None
-    try:
-        target = build_once(cache_root() / "kernels" / f"small_linear-{_cpu_key()}", _compile)
-        # torch has loaded its libgomp.so.1, so the kernel shares torch's OpenMP threads.
-        lib = ctypes.CDLL(str(target / "small_linear.so"))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _why_not = f"could not build the kernel: {e}"
-        warnings.warn(f"reclaim: small-row linear kernel unavailable, using F.linear ({_why_not})", stacklevel=2)
+    lib = cbuild.load("small_linear")
+    if lib is None:
+        _why_not = cbuild.why_not("small_linear")
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_long
     lib.small_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
