@@ -151,10 +151,9 @@ def plan_kv_blocks(
 
 
 class KVPool:
-    """K and V for every block: tensors [layers, blocks, Hkv, block_size, D].
-
-    Each layer is the [blocks, Hkv, block_size, D] pool that paged attention reads in place
-    (models/kernels/paged.py; FlashInfer's HND layout): one head's keys of a block are contiguous.
+    """K and V for every block: k [layers, blocks, Hkv, D, block_size] (keys transposed within a
+    block), v [layers, blocks, Hkv, block_size, D]: the layout paged attention reads in place
+    (models/kernels/paged.py).
     """
 
     def __init__(
@@ -169,8 +168,8 @@ class KVPool:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        # Zeros, not empty: a kernel never reads unwritten slots, but garbage could be NaN in a dump.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        # Zeros, not empty: a kernel never uses unwritten slots, but garbage could be NaN in a dump.
+        self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(3, 4).contiguous()
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
 
@@ -183,13 +182,13 @@ class KVPool:
     def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [N, Hkv, D] at N (block, offset) slots of `layer`."""
         blk, off = where
-        self.k[layer][blk, :, off] = k
+        self.k[layer][blk, :, :, off] = k
         self.v[layer][blk, :, off] = v
 
     def move(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy the K/V of slots `src` to slots `dst` in every layer."""
-        for kv in (self.k, self.v):
-            kv[:, dst[0], :, dst[1]] = kv[:, src[0], :, src[1]]
+        self.k[:, dst[0], :, :, dst[1]] = self.k[:, src[0], :, :, src[1]]
+        self.v[:, dst[0], :, dst[1]] = self.v[:, src[0], :, src[1]]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

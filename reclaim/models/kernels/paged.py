@@ -1,8 +1,9 @@
 """Attention of packed query rows over a paged K/V pool: the C kernel (`paged_attention.c`, float32
 on a CPU) and a torch reference that gathers each row's keys (any device and dtype).
 
-The pool holds one layer's keys and values as [blocks, Hkv, block_size, D] (FlashInfer's HND
-layout): one head's keys of a block are contiguous, what one (row, head) of the kernel streams. A batch is rows of new tokens packed one after another ([N, H, D],
+The pool holds one layer's keys as [blocks, Hkv, D, block_size] (transposed within a block: 16
+keys' d-th entries are one vector for the kernel) and its values as [blocks, Hkv, block_size, D];
+one head's keys (and values) of a block are contiguous, what one (row, head) of the kernel streams. A batch is rows of new tokens packed one after another ([N, H, D],
 no padding); row r's queries are q_start[r] .. q_end[r] - 1, after past[r] cached tokens, and
 their K/V are already in the pool. Which keys each query sees is in `PagedRows` (see
 paged_attention.c's header): slots lo <= s < hi, and for a speculative tree row only the new
@@ -66,15 +67,16 @@ def kernel_status() -> str:
 
 def kernel_eligible(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the C kernel takes this attention: float32 on a CPU, head_dim a multiple of 16
-    up to 256, and the kernel built."""
-    d = q.shape[-1]
+    up to 256, block_size a multiple of 16, and the kernel built."""
+    d, bs = q.shape[-1], k_pool.shape[-1]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_pool.dtype == torch.float32
-            and d % 16 == 0 and d <= 256 and _kernel() is not None)
+            and d % 16 == 0 and d <= 256 and bs % 16 == 0 and _kernel() is not None)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows,
                     out: torch.Tensor) -> None:
-    """Write attention of `rows`' queries (q [N, nh, D]) over the pool ([blocks, Hkv, bs, D])
+    """Write attention of `rows`' queries (q [N, nh, D]) over the pool (k [blocks, Hkv, D, bs],
+    v [blocks, Hkv, bs, D])
     into `out` [N, nh, D] (other rows' entries untouched): the C kernel where eligible, else
     the torch reference."""
     if rows.num_rows == 0:
@@ -82,7 +84,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if not kernel_eligible(q, k_pool):
         return paged_attention_torch(q, k_pool, v_pool, rows, out)
     n, nh, d = q.shape
-    nkv, bs = k_pool.shape[1], k_pool.shape[2]
+    nkv, bs = k_pool.shape[1], k_pool.shape[3]
     q = q if q.is_contiguous() else q.contiguous()
     tree = rows.tree
     _kernel()(out.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
@@ -114,14 +116,14 @@ def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
                           out: torch.Tensor) -> None:
     """The reference: per row, gather the keys its queries may see from the pool (none older
     than the window) and run SDPA under its mask."""
-    nh, nkv, bs = q.shape[1], k_pool.shape[1], k_pool.shape[2]
+    nh, nkv, bs = q.shape[1], k_pool.shape[1], k_pool.shape[3]
     for r in range(rows.num_rows):
         a, b = int(rows.q_start[r]), int(rows.q_end[r])
         keys = int(rows.q_hi[a:b].max())
         first = 0 if rows.window is None else max(0, int(rows.q_pos[a:b].min()) - rows.window + 1)
         s = torch.arange(first, keys, device=q.device)
         blk, off = rows.tables[r].long()[s // bs], s % bs
-        k = k_pool[blk, :, off].transpose(0, 1)[None]  # [1, Hkv, S, D]
+        k = k_pool[blk, :, :, off].transpose(0, 1)[None]  # [1, Hkv, S, D]
         v = v_pool[blk, :, off].transpose(0, 1)[None]
         mask = visible(rows, r, first, keys)[None, None]
         o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k, v, attn_mask=mask,

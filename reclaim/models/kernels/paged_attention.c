@@ -1,23 +1,27 @@
 /* Attention of packed query rows over a paged K/V pool, read where it lies (no gathered copy).
 
-   A decode step's attention reads every cached key and value of every row once: memory-bound.
-   Copying each row's history out of the pool first (padded to the longest row) cost more than
-   the attention itself. Here each (row, K/V head) reads its keys straight from the blocks its
-   table names, 16 keys at a time, with the query heads that share that K/V head (grouped-query
-   attention) and, for a row of several new tokens (a verify row, a prefill chunk), a tile of
-   its queries; softmax runs online (flash attention's running max and sum), so nothing of size
-   S is ever stored.
+   A decode step's attention reads every cached key and value of every row once. Copying each
+   row's history out of the pool first (padded to the longest row) cost more than the attention
+   itself. Here each (row, K/V head) reads its keys straight from the blocks its table names, 16
+   keys at a time, with the query heads that share that K/V head (grouped-query attention) and,
+   for a row of several new tokens (a verify row, a prefill chunk), a tile of its queries;
+   softmax runs online (flash attention's running max and sum), so nothing of size S is stored.
+
+   Keys are stored transposed within a block ([D, bs] per head): 16 keys' d-th entries are one
+   vector, so a query's 16 scores are D multiply-adds into one vector, with no per-key sum
+   across lanes (that sum cost more than the multiply-adds themselves).
 
    Which keys a query sees: slots s with lo <= s < hi, where hi is the query's exclusive limit
    (causal: past + i + 1; a tree row: past + T, its new keys then filtered by the tree mask) and
-   lo = pos - window + 1 with a sliding window (pos: the query's position), else 0.
+   lo = pos - window + 1 with a sliding window (pos: the query's position), else 0. No other
+   slot's value is read.
 
-   Shapes (float32, contiguous): q and out [N, nh, D]; k and v one layer of the pool, [blocks,
-   nkv, bs, D] (a head's keys of a block contiguous: what one (row, head) item streams); tables int32 [B, table_stride]; q_start, q_end int32 [B] (row r's queries are
-   q_start[r] .. q_end[r] - 1 of q: rows need not cover q, so other rows can attend otherwise);
-   past int32 [B]; q_pos, q_hi int32 [N]; tree uint8
-   [N, tree_stride] or NULL: where not NULL and tree_row[r] is set, query i sees new key j (slot
-   past + j) only if tree[i * tree_stride + j]. D must be a multiple of 16, at most 256.
+   Shapes (float32, contiguous): q and out [N, nh, D]; one layer of the pool, k [blocks, nkv, D,
+   bs] and v [blocks, nkv, bs, D]; tables int32 [B, table_stride]; q_start, q_end int32 [B] (row
+   r's queries are q_start[r] .. q_end[r] - 1 of q: rows need not cover q, so other rows can
+   attend otherwise); past int32 [B]; q_pos, q_hi int32 [N]; tree uint8 [N, tree_stride] or
+   NULL: where not NULL and tree_row[r] is set, query i sees new key j (slot past + j) only if
+   tree[i * tree_stride + j]. D and bs must be multiples of 16, D at most 256.
 
    Batch invariant: a row's output depends on its own queries and keys only. Threads split the
    (row, head, query tile) items (OpenMP; torch's own runtime when loaded with it). */
@@ -30,7 +34,10 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-#define CHUNK 16    /* keys per online-softmax update: one vector of scores per query */
+#define CHUNK 16    /* keys per vector of scores: 16 aligned slots of one block */
+#define SPAN 16     /* chunks per online-softmax update (256 keys): the max, exp and sum of an
+                       update are a chain of dependent operations; over one chunk they cost
+                       several times its multiply-adds */
 #define QT 8        /* query vectors (heads x tokens) per tile */
 #define MAXD 256
 
@@ -78,76 +85,89 @@ static inline v16 exp16(v16 x) {
     return p;
 }
 
-/* r[j] = the sum of p[j]'s 16 lanes, for 16 vectors at once: halves added pairwise, 4 levels
-   (30 shuffles and 15 adds where 16 separate sums take about 100 operations). */
-static inline v16 sum16x16(const v16 *p) {
-    v16 a[8], b[4], c[2];
-    for (int j = 0; j < 8; j++)
-        a[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(p[2 * j], p[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int j = 0; j < 4; j++)
-        b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int j = 0; j < 2; j++)
-        c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 static const vi16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-/* Scores of nq query vectors against n <= 16 keys (rows of kb, D floats each) into lanes
-   0..n-1 of sc[i], -inf where the query does not see the key (slot s0 + j) and in lanes >= n. */
-static inline void scores(v16 *sc, const float *const *qv, int nq, const float *kb, int n, int s0,
-                          const int *lo, const int *hi, const uint8_t *tree, const int *qtok,
-                          long tree_stride, int past, int nd, float scale) {
-    v16 part[QT][CHUNK];
-    for (int j = 0; j < n; j++) {
-        v16 kr[MAXD / 16];
-        for (int d = 0; d < nd; d++) kr[d] = load(kb + (long)j * nd * 16 + 16 * d);
-        for (int i = 0; i < nq; i++) {
-            const float *q = qv[i];
-            v16 a = load(q) * kr[0];
-            for (int d = 1; d < nd; d++) a += load(q + 16 * d) * kr[d];
-            part[i][j] = a;
+/* Scores of nq query vectors against the 16 keys of kt (transposed: kt[d * bs + j] is key j's
+   d-th entry) into sc[i], -inf where the query does not see the key (slot s0 + j). */
+static inline __attribute__((always_inline)) void scores(
+        v16 *sc, const float *const *qv, int nq, const float *kt, int bs, int s0, const int *lo,
+        const int *hi, const uint8_t *tree, const int *qtok, long tree_stride, int past,
+        const int D, float scale) {
+    /* PARTS independent sums per query over interleaved d: a multiply-add waits ~4 cycles for
+       the one before it in its sum, so a few queries' sums alone leave the FMA units idle */
+    enum { PARTS = 4 };
+    const int parts = nq <= 2 ? PARTS : nq <= 4 ? 2 : 1;
+    v16 a[QT][PARTS];
+    for (int i = 0; i < nq; i++)
+        for (int u = 0; u < parts; u++) a[i][u] = (v16){0};
+    for (int d = 0; d < D; d += parts)
+        for (int u = 0; u < parts; u++) {
+            v16 kd = load(kt + (long)(d + u) * bs);
+            __asm__("" : "+v"(kd));  /* a register, not reloaded for each query */
+            for (int i = 0; i < nq; i++) a[i][u] += qv[i][d + u] * kd;
         }
-    }
+    for (int i = 0; i < nq; i++)
+        for (int u = 1; u < parts; u++) a[i][0] += a[i][u];
     vi16 slot = IOTA + s0, ninf;
     v16 inf = (v16){0} - INFINITY;
     memcpy(&ninf, &inf, sizeof ninf);
     for (int i = 0; i < nq; i++) {
-        for (int j = n; j < CHUNK; j++) part[i][j] = (v16){0};
-        v16 x = sum16x16(part[i]) * scale;
-        vi16 off = (slot < lo[i]) | (slot >= hi[i]) | (IOTA >= n), bits;
+        v16 x = a[i][0] * scale;
+        vi16 off = (slot < lo[i]) | (slot >= hi[i]), bits;
         memcpy(&bits, &x, sizeof bits);
         bits = (bits & ~off) | (ninf & off);
         memcpy(&x, &bits, sizeof x);
-        if (tree && s0 + n > past)  /* a speculative tree: its new keys only where the mask allows */
-            for (int j = 0; j < n; j++)
-                if (s0 + j >= past && !tree[(long)qtok[i] * tree_stride + (s0 + j - past)]) x[j] = -INFINITY;
+        if (tree && s0 + CHUNK > past)  /* a speculative tree: its new keys only where the mask allows */
+            for (int j = 0; j < CHUNK; j++)
+                if (s0 + j >= past && s0 + j < hi[i] && !tree[(long)qtok[i] * tree_stride + (s0 + j - past)])
+                    x[j] = -INFINITY;
         sc[i] = x;
     }
 }
 
-/* acc[i] += sum_j p[i][j] * v_j over n keys: one accumulator at a time in a register, the
-   chunk's values read from L1 (n a constant after inlining, for whole chunks). */
-static inline __attribute__((always_inline)) void values(v16 (*acc)[MAXD / 16], float (*p)[CHUNK],
-                                                         int nq, const float *vb, const int n,
-                                                         const int nd) {
-    for (int i = 0; i < nq; i++)
-        for (int d = 0; d < nd; d++) {
-            v16 a = acc[i][d];
-            for (int j = 0; j < n; j++) a += p[i][j] * load(vb + (long)j * nd * 16 + 16 * d);
-            acc[i][d] = a;
+/* acc[i] += sum_j p[i][j] * v_j over keys j0 <= j < j1 of a chunk (p: that chunk's 16
+   weights of each query, row stride SPAN * CHUNK). Each value vector is loaded once and used by
+   a group of queries whose accumulators stay in registers (bounds constant after inlining for
+   whole chunks and common shapes). */
+static inline __attribute__((always_inline)) void values(v16 (*acc)[MAXD / 16], const float *p,
+                                                         const int nq, const float *vb, const int j0,
+                                                         const int j1, const int nd) {
+    const int ib = nd <= 4 ? 4 : nd <= 8 ? 2 : 1;  /* queries per group: ib * nd registers */
+    for (int i0 = 0; i0 < nq; i0 += ib) {
+        const int n = nq - i0 < ib ? nq - i0 : ib;
+        v16 a[4][MAXD / 16];
+        for (int i = 0; i < n; i++)
+            for (int d = 0; d < nd; d++) a[i][d] = acc[i0 + i][d];
+        for (int j = j0; j < j1; j++) {
+            v16 vr[MAXD / 16];
+            for (int d = 0; d < nd; d++) {
+                vr[d] = load(vb + (long)j * nd * 16 + 16 * d);
+                __asm__("" : "+v"(vr[d]));  /* a register, not reloaded for each query */
+            }
+            for (int i = 0; i < n; i++) {
+                float w = p[(i0 + i) * SPAN * CHUNK + j];
+                for (int d = 0; d < nd; d++) a[i][d] += w * vr[d];
+            }
         }
+        for (int i = 0; i < n; i++)
+            for (int d = 0; d < nd; d++) acc[i0 + i][d] = a[i][d];
+    }
+}
+
+static inline v16 vmax(v16 a, v16 b) {
+    vi16 gt = a > b, ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    ia = (ia & gt) | (ib & ~gt);
+    memcpy(&a, &ia, sizeof a);
+    return a;
 }
 
 /* One tile: nq query vectors (qv[i], D floats each, head h of query token qtok[i]) of row r
    against its visible keys; writes each query's output (D floats) to dst[i]. The pool is
    [blocks, nkv, bs, D]: one head's keys of a block are contiguous. */
 static inline __attribute__((always_inline)) void tile(
-        const float *const *qv, float *const *dst, const int *qtok, int nq, int h, const float *k,
+        const float *const *qv, float *const *dst, const int *qtok, const int nq, int h, const float *k,
         const float *v, const int32_t *table, int bs, int nkv, const int nd, int past,
         const int32_t *q_pos, const int32_t *q_hi, const uint8_t *tree, long tree_stride,
         int window, float scale) {
@@ -168,41 +188,56 @@ static inline __attribute__((always_inline)) void tile(
         if (hi[i] > hi_t) hi_t = hi[i];
     }
     const long head = (long)bs * D, block = (long)nkv * head;
-    for (int b = lo_t / bs; b * bs < hi_t; b++) {
-        const float *kblk = k + table[b] * block + h * head, *vblk = v + table[b] * block + h * head;
-        if ((b + 1) * bs < hi_t) {  /* the next block's keys and values into L2 while this one runs */
-            const float *kn = k + table[b + 1] * block + h * head, *vn = v + table[b + 1] * block + h * head;
-            for (long off = 0; off < head; off += 16) {
-                __builtin_prefetch(kn + off, 0, 2);
-                __builtin_prefetch(vn + off, 0, 2);
+    /* chunks of 16 slots aligned within blocks, from the one holding lo_t; lanes outside a
+       query's [lo, hi) are masked */
+    for (int s = lo_t / CHUNK * CHUNK; s < hi_t;) {
+        const float *kc[SPAN], *vc[SPAN];
+        int s0[SPAN], nc = 0;
+        for (; nc < SPAN && s < hi_t; nc++, s += CHUNK) {
+            int b = s / bs, c = s % bs;
+            kc[nc] = k + table[b] * block + h * head + c;
+            vc[nc] = v + table[b] * block + h * head + (long)c * D;
+            s0[nc] = s;
+            if (c == 0 && (b + 1) * bs < hi_t) {  /* the next block into L2 while this one runs */
+                const float *kn = k + table[b + 1] * block + h * head, *vn = v + table[b + 1] * block + h * head;
+                for (long off = 0; off < head; off += 16) {
+                    __builtin_prefetch(kn + off, 0, 2);
+                    __builtin_prefetch(vn + off, 0, 2);
+                }
             }
         }
-        int first = b * bs > lo_t ? b * bs : lo_t, end = (b + 1) * bs < hi_t ? (b + 1) * bs : hi_t;
-        for (int s0 = first; s0 < end; s0 += CHUNK) {
-            int n = end - s0 < CHUNK ? end - s0 : CHUNK;
-            const float *kb = kblk + (long)(s0 - b * bs) * D, *vb = vblk + (long)(s0 - b * bs) * D;
-            v16 sc[QT];
-            scores(sc, qv, nq, kb, n, s0, lo, hi, tree, qtok, tree_stride, past, nd, scale);
-            float pj[QT][CHUNK];
-            for (int i = 0; i < nq; i++) {
-                float mc = max16(sc[i]);
-                if (mc == -INFINITY) {  /* nothing visible in this chunk */
-                    for (int j = 0; j < CHUNK; j++) pj[i][j] = 0.f;
-                    continue;
-                }
-                float mn = mc > m[i] ? mc : m[i];
-                float corr = m[i] == -INFINITY ? 0.f : expf(m[i] - mn);
-                v16 p = exp16(sc[i] - mn);
-                l[i] = l[i] * corr + sum16(p);
-                m[i] = mn;
-                if (corr != 1.f)
-                    for (int d = 0; d < nd; d++) acc[i][d] *= corr;
-                memcpy(pj[i], &p, sizeof p);
+        v16 sc[SPAN][QT];
+        for (int ch = 0; ch < nc; ch++)
+            scores(sc[ch], qv, nq, kc[ch], bs, s0[ch], lo, hi, tree, qtok, tree_stride, past, D, scale);
+        float pj[QT][SPAN * CHUNK];
+        for (int i = 0; i < nq; i++) {
+            v16 vm = sc[0][i];
+            for (int ch = 1; ch < nc; ch++) vm = vmax(vm, sc[ch][i]);
+            float mc = max16(vm);
+            if (mc == -INFINITY) {  /* nothing visible in these chunks */
+                memset(pj[i], 0, sizeof pj[i]);
+                continue;
             }
-            if (n == CHUNK)
-                values(acc, pj, nq, vb, CHUNK, nd);
+            float mn = mc > m[i] ? mc : m[i];
+            float corr = m[i] == -INFINITY ? 0.f : expf(m[i] - mn);
+            v16 sum = (v16){0};
+            for (int ch = 0; ch < nc; ch++) {
+                v16 p = exp16(sc[ch][i] - mn);
+                sum += p;
+                memcpy(pj[i] + ch * CHUNK, &p, sizeof p);
+            }
+            l[i] = l[i] * corr + sum16(sum);
+            m[i] = mn;
+            if (corr != 1.f)
+                for (int d = 0; d < nd; d++) acc[i][d] *= corr;
+        }
+        for (int ch = 0; ch < nc; ch++) {
+            /* only the values of slots some query may see: others may be unwritten */
+            int j0 = lo_t > s0[ch] ? lo_t - s0[ch] : 0, j1 = hi_t - s0[ch] < CHUNK ? hi_t - s0[ch] : CHUNK;
+            if (j0 == 0 && j1 == CHUNK)
+                values(acc, &pj[0][ch * CHUNK], nq, vc[ch], 0, CHUNK, nd);
             else
-                values(acc, pj, nq, vb, n, nd);
+                values(acc, &pj[0][ch * CHUNK], nq, vc[ch], j0, j1, nd);
         }
     }
     for (int i = 0; i < nq; i++) {
@@ -249,16 +284,17 @@ void paged_attention(float *out, const float *q, const float *k, const float *v,
                     qtok[nq++] = t;
                 }
             const int32_t *table = tables + (long)r * table_stride;
-            /* head_dim as a constant where it is common, so the loops over it unroll */
-            if (D == 64)
-                tile(qv, dst, qtok, nq, h, k, v, table, bs, nkv, 4, past[r], q_pos, q_hi, tr,
-                     tree_stride, window, scale);
-            else if (D == 128)
-                tile(qv, dst, qtok, nq, h, k, v, table, bs, nkv, 8, past[r], q_pos, q_hi, tr,
-                     tree_stride, window, scale);
-            else
-                tile(qv, dst, qtok, nq, h, k, v, table, bs, nkv, D / 16, past[r], q_pos, q_hi, tr,
-                     tree_stride, window, scale);
+            /* head_dim and the tile's query count as constants where common, so the loops over
+               them unroll and the score accumulators stay in registers */
+#define TILE(NQ, ND) tile(qv, dst, qtok, NQ, h, k, v, table, bs, nkv, ND, past[r], q_pos, q_hi, tr, \
+                          tree_stride, window, scale)
+#define BY_NQ(ND) switch (nq) { \
+                case 1: TILE(1, ND); break; case 2: TILE(2, ND); break; case 3: TILE(3, ND); break; \
+                case 4: TILE(4, ND); break; case 6: TILE(6, ND); break; case 8: TILE(8, ND); break; \
+                default: TILE(nq, ND); }
+            if (D == 64) { BY_NQ(4) }
+            else if (D == 128) { BY_NQ(8) }
+            else TILE(nq, D / 16);
         }
     }
 }

@@ -1,0 +1,94 @@
+"""The paged attention kernel against its reference (per-row gather + SDPA), and the reference
+against plain causal attention: decode rows, chunks after a cached prefix, speculative trees,
+sliding windows, grouped-query heads; slots no query may see are never used (poisoned with NaN)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reclaim.engine.kv_cache import KVPool
+from reclaim.models.kernels.paged import kernel_eligible, kernel_status, paged_attention, paged_attention_torch
+
+needs_kernel = pytest.mark.skipif(kernel_status() != "on", reason=f"C kernel {kernel_status()}")
+
+CASES = [  # past, new, window, trees
+    ([5], [1], None, None),
+    ([0, 17, 40, 300], [1, 3, 7, 1], None, None),
+    ([100, 3], [1, 20], 8, None),
+    ([30, 9], [5, 4], None, [[-1, 0, 0, 1, 2], None]),
+    ([33], [6], 5, [[-1, 0, 1, 0, 3, 3]]),
+    ([0], [40], 16, None),
+]
+
+
+def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(1, 64, bs, nkv, d)
+    pool.k.normal_(generator=g)
+    pool.v.normal_(generator=g)
+    perm = torch.randperm(64, generator=g).tolist()
+    tables, i = [], 0
+    for p, n in zip(past, new):
+        need = -(-(p + n) // bs)
+        tables.append(perm[i:i + need])
+        i += need
+    view = pool.view(tables, past, new, sliding_window=window, trees=trees)
+    view.fresh = []  # every row through the paged path, fresh prompts too
+    q = torch.randn(sum(new), nh, d, generator=g)
+    return pool, view, q, tables
+
+
+def _poison_unseen(pool, view, tables, past, new, window):
+    """NaN in every slot of the rows' blocks that no query of its row may see, and in blocks no
+    row holds."""
+    bs = pool.block_size
+    seen = torch.zeros(pool.k.shape[1], bs, dtype=torch.bool)
+    for tb, p, n in zip(tables, past, new):
+        lo = 0 if window is None else max(0, p - window + 1)  # the earliest position any query sees
+        for s in range(lo, p + n):
+            seen[tb[s // bs], s % bs] = True
+    pool.k.masked_fill_(~seen[None, :, None, None, :], float("nan"))
+    pool.v.masked_fill_(~seen[None, :, None, :, None], float("nan"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("past,new,window,trees", CASES)
+@pytest.mark.parametrize("shape", [dict(), dict(nkv=2, nh=16, d=128, bs=32), dict(nkv=4, nh=4, d=16)])
+def test_kernel_equals_reference(past, new, window, trees, shape):
+    pool, view, q, tables = _setup(past, new, window, trees, **shape)
+    assert kernel_eligible(q, pool.k[0])
+    want = torch.zeros_like(q)
+    paged_attention_torch(q, pool.k[0], pool.v[0], view.rows, want)
+    _poison_unseen(pool, view, tables, past, new, window)
+    got = torch.zeros_like(q)
+    paged_attention(q, pool.k[0], pool.v[0], view.rows, got)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_equals_causal_attention_over_the_whole_sequence(window):
+    """A chunk of 7 new tokens after 20 cached ones sees what full causal attention sees."""
+    pool, view, q, tables = _setup([20], [7], window, None, nkv=2, nh=4, d=16)
+    bs = pool.block_size
+    s = torch.arange(27)
+    blk = torch.tensor(tables[0])[s // bs]
+    k = pool.k[0][blk, :, :, s % bs].transpose(0, 1)  # [Hkv, 27, D]
+    v = pool.v[0][blk, :, s % bs].transpose(0, 1)
+    mask = (s[None, :] <= s[20:, None]) & ((s[None, :] > s[20:, None] - window) if window else True)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    got = torch.zeros_like(q)
+    paged_attention_torch(q, pool.k[0], pool.v[0], view.rows, got)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_row_gives_the_same_output_alone_or_in_a_batch():
+    """Batch invariance: a decode row's output does not depend on the rows beside it."""
+    pool, view, q, _ = _setup([40, 300, 7], [1, 1, 4], None, None)
+    both = torch.zeros_like(q)
+    paged_attention(q, pool.k[0], pool.v[0], view.rows, both)
+    alone_view = pool.view([view.rows.tables[0].tolist()], [40], [1])
+    alone = torch.zeros_like(q[:1])
+    paged_attention(q[:1], pool.k[0], pool.v[0], alone_view.rows, alone)
+    assert torch.equal(alone, both[:1])
