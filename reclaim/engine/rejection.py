@@ -18,22 +18,26 @@ speculation on or off, on any number of workers).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.sampling import keyed_uniform, process_logits, probs, sanitize
+from reclaim.engine.sampling import (NO_FINITE_LOGIT, Deferred, Keyed, clean, draw, keyed_uniform, process_logits,
+                                     probs, sample_tensor, sanitize, uniforms)
 from reclaim.engine.speculative import Draft
 
 
 def _uniform(generator: torch.Generator | None, fallback: torch.Generator | None) -> float:
-    return torch.rand((), generator=generator or fallback, dtype=torch.float64).item()
+    g = generator or fallback
+    return torch.rand((), generator=g, dtype=torch.float64, device=g.device).item()
 
 
 def _draw(dist: torch.Tensor, generator: torch.Generator | None, fallback: torch.Generator | None) -> int:
     """One token from a distribution [V] (float64, sums to ~1)."""
     cdf = dist.cumsum(0)
     u = _uniform(generator, fallback) * cdf[-1].item()
-    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True).item())
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True).item())
     return min(idx, int((dist > 0).nonzero().max()))
 
 
@@ -178,3 +182,135 @@ def processed_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, 
         if advanced:
             params.constraint.rollback(advanced)
     return torch.stack(rows[: n + 1]), draft.truncate(n)
+
+
+# ---- a batch of drafts verified with tensor ops, read on the host once ----
+
+def _walk(draft: Draft, choice: list[int]) -> tuple[list[int], list[int]]:
+    """Follow a draft while each position's chosen token (`choice[row]`, row 0 at the pending
+    token, row 1 + i at draft token i) is a child drafted there: the tokens to commit and the
+    accepted path of draft indices. A chain is a tree whose node i's only child is i + 1."""
+    parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    node, row, path, out = -1, 0, [], []
+    while True:
+        tok = choice[row]
+        out.append(tok)
+        nxt = next((k for k in children.get(node, []) if draft.tokens[k] == tok), None)
+        if nxt is None:
+            return out, path
+        path.append(nxt)
+        node, row = nxt, nxt + 1
+
+
+def _positions_of(draft: Draft) -> list[int]:
+    """Per verify row (the pending token, then each draft token), how many tokens precede the
+    one chosen there on its path: 0 at the pending token, the draft token's depth after it."""
+    return [0] + draft.depths()
+
+
+def verify_batch(logits: list[torch.Tensor], drafts: list[Draft], params: list[SamplingParams],
+                 positions: list[int], generators: list, fallback: torch.Generator | None) -> Deferred:
+    """Verify each row's draft with the target's logits there ([1 + len(draft), V]: the pending
+    token, then each draft token), as `accept`, `accept_tree` and the keyed variants do, for the
+    whole batch at once: greedy rows and seeded rows (keyed draws at every node) choose every
+    node's token in one op and walk their drafts on the host; sampled chains are accepted or
+    rejected with tensor ops (`_chains`); sampled trees, whose recursive rejection decides node
+    by node, are verified one by one. `positions[r]`: the position of the first token row r
+    chooses. The result: per row (tokens to commit, accepted draft path), or the exception that
+    fails it alone."""
+    dev = logits[0].device if logits else torch.device("cpu")
+    greedy = [r for r, p in enumerate(params) if p.greedy]
+    keyed = [r for r, p in enumerate(params) if not p.greedy and p.seed is not None]
+    chains = [r for r, p in enumerate(params) if not p.greedy and p.seed is None and drafts[r].parents is None]
+    trees = [r for r, p in enumerate(params) if not p.greedy and p.seed is None and drafts[r].parents is not None]
+    results: dict[int, Any] = {}
+    for r in trees:  # recursive rejection: each node's draw decides the next
+        try:
+            results[r] = accept_tree(logits[r], drafts[r], params[r], generators[r], fallback)
+        except Exception as exc:  # noqa: BLE001 - this request alone fails
+            results[r] = exc
+    values, parts = [], []  # (kind, rows, count)
+    nodes = greedy + keyed  # every node's token chosen up front
+    if nodes:
+        x = torch.cat([logits[r] for r in nodes])
+        rows_params = [params[r] for r in nodes for _ in range(logits[r].shape[0])]
+        sources = [None if params[r].greedy else Keyed(params[r].seed, positions[r] + k)
+                   for r in nodes for k in _positions_of(drafts[r])]
+        tokens, ok = sample_tensor(x, rows_params, sources, fallback)
+        values += [tokens, ok.long()]
+        parts.append(("nodes", x.shape[0]))
+    if chains:
+        values.append(_chains([logits[r] for r in chains], [drafts[r] for r in chains],
+                              [params[r] for r in chains], [generators[r] for r in chains], fallback))
+        parts.append(("chains", 3 * len(chains)))
+
+    def finish(got: list[int]) -> list[Any]:
+        at = 0
+        for kind, n in parts:
+            seg = got[at:at + (2 * n if kind == "nodes" else n)]
+            at += len(seg)
+            if kind == "nodes":
+                toks, oks, i = seg[:n], seg[n:], 0
+                for r in nodes:
+                    m = logits[r].shape[0]
+                    results[r] = _walk(drafts[r], toks[i:i + m]) if all(oks[i:i + m]) else ValueError(NO_FINITE_LOGIT)
+                    i += m
+            else:
+                for j, r in enumerate(chains):
+                    n_acc, tok, good = seg[3 * j: 3 * j + 3]
+                    results[r] = ((drafts[r].tokens[:n_acc] + [tok], list(range(n_acc))) if good
+                                  else ValueError(NO_FINITE_LOGIT))
+        return [results[r] for r in range(len(params))]
+
+    return Deferred(torch.cat(values) if values else torch.zeros(0, dtype=torch.long, device=dev), finish)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q), unnormalised: what a rejected draft token's replacement is drawn from."""
+    return (p - q).clamp(min=0)
+
+
+def _chains(logits: list[torch.Tensor], drafts: list[Draft], params: list[SamplingParams], generators: list,
+            fallback: torch.Generator | None) -> torch.Tensor:
+    """`accept` for sampled chains, as tensor ops over the batch: per row [accepted draft
+    tokens, the token drawn after them, whether its logits were finite], int64 [3 * R]. Each
+    draft token d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)) while all before it
+    were; at the first rejection the token is drawn from norm(max(0, p_i - q_i)), after a full
+    acceptance from p_(L+1). q one-hot where the drafter gave none. Every uniform a row could
+    use is drawn up front (its draws are independent of each other, so the output is
+    distributed as `accept`'s)."""
+    dev = logits[0].device
+    lens = [len(d.tokens) for d in drafts]
+    big = max(lens)
+    x = torch.cat(logits)
+    p = probs(x, [pp for pp, n in zip(params, lens) for _ in range(n + 1)])  # [sum(L + 1), V] float64
+    _, ok = clean(x)
+    v = p.shape[-1]
+    base = torch.tensor([sum(lens[:r]) + r for r in range(len(lens))], device=dev)
+    idx = torch.arange(big + 1, device=dev)
+    length = torch.tensor(lens, device=dev)
+    flat = (base[:, None] + idx.clamp(max=big)[None, :]).clamp(max=p.shape[0] - 1)  # [R, big + 1] rows of p
+    d = torch.tensor([dr.tokens + [0] * (big - len(dr.tokens)) for dr in drafts], device=dev)  # [R, big]
+    q = torch.zeros(len(drafts), big, v, dtype=torch.float64, device=dev)
+    for r, dr in enumerate(drafts):
+        if dr.q is None:
+            q[r, torch.arange(len(dr.tokens), device=dev), d[r, :len(dr.tokens)]] = 1.0
+        else:
+            q[r, :len(dr.tokens)] = dr.q.to(dev, torch.float64)
+    p_d = p[flat[:, :big], d]  # [R, big]
+    q_d = q.gather(2, d[:, :, None]).squeeze(2)
+    us = uniforms(list(range(len(drafts) * (big + 1))),
+                  [g for g in generators for _ in range(big + 1)], fallback, dev).view(len(drafts), big + 1)
+    keep = (q_d > 0) & (us[:, :big] < (p_d / q_d.clamp(min=1e-300)).clamp(max=1.0)) & (idx[None, :big] < length[:, None])
+    n_acc = keep.long().cumprod(1).sum(1)  # [R]
+    at = p[base + n_acc]  # [R, V]: p at the first rejection, or after the last draft token
+    rejected = n_acc < length
+    q_at = q[torch.arange(len(drafts), device=dev), n_acc.clamp(max=max(big - 1, 0))] if big else torch.zeros_like(at)
+    resid = torch.where(rejected[:, None], residual(at, q_at), at)
+    resid = torch.where((resid.sum(-1, keepdim=True) <= 0), at, resid)  # p == q: p itself is the answer
+    tok = draw(resid / resid.sum(-1, keepdim=True), us[:, big])
+    good = ok[(base[:, None] + idx[None, :]).clamp(max=ok.shape[0] - 1)].masked_fill(idx[None, :] > length[:, None], True).all(1)
+    return torch.stack([n_acc, tok, good.long()], 1).reshape(-1)

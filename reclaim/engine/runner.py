@@ -24,9 +24,9 @@ import torch
 from reclaim.engine.config import HEAD_KERNELS
 from reclaim.engine.kv_cache import BlockManager, KVPool
 from reclaim.engine.output import RequestState
-from reclaim.engine.rejection import accept, accept_keyed, accept_tree, accept_tree_keyed, processed_chain
+from reclaim.engine.rejection import processed_chain, verify_batch
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.sampling import keyed_uniform, process_logits, sample_each, token_logprobs
+from reclaim.engine.sampling import Keyed, process_logits, read, sample_deferred, token_logprobs
 from reclaim.engine.scheduler import ScheduledChunk
 from reclaim.engine.speculative import Draft
 from reclaim.models.kernels.linear import linear, torch_kernels
@@ -174,35 +174,56 @@ class ModelRunner:
 
     def _choose(self, out: RunnerOutput, chunks: list[ScheduledChunk], rows: list[Row],
                 hidden: list[torch.Tensor], feats: list[torch.Tensor | None], drafts: dict[str, Draft]) -> None:
-        """The tokens of each sampling chunk: the logits at its last token and every draft token
-        after it; plain rows sampled together, drafted rows verified one by one."""
+        """The tokens of each sampling chunk from the logits at its last token and every draft
+        token after it: plain rows sampled together and drafted rows verified together (the
+        plain rows' uniforms drawn first), every choice read on the host at once."""
         spans = [(c.num_tokens - 1, len(r.token_ids)) for c, r in zip(chunks, rows)]
         x = self.logits(torch.cat([h[a:b] for h, (a, b) in zip(hidden, spans)]))
         per_row = list(torch.split(x, [b - a for a, b in spans]))
         reqs = [self.requests[c.request_id] for c in chunks]
         chosen: dict[int, list[int] | Exception] = {}
-        plain_x = {}
+        plain, plain_x, drafted, checked = [], [], [], {}
         for j, c in enumerate(chunks):
-            try:
-                if c.request_id not in drafts:
-                    plain_x[j] = self._processed(reqs[j], per_row[j][0])
-            except Exception as exc:  # noqa: BLE001 - its constraint or processors: it alone fails
+            try:  # its logits processors and constraint: a failure fails it alone
+                if c.request_id in drafts:
+                    checked[j] = self._processed_draft(reqs[j], per_row[j], drafts[c.request_id])
+                    drafted.append(j)
+                else:
+                    plain_x.append(self._processed(reqs[j], per_row[j][0]))
+                    plain.append(j)
+            except Exception as exc:  # noqa: BLE001
                 chosen[j] = exc
-        if plain_x:  # sampled first, then the drafts verified in order (the order the draws follow)
-            got = sample_each(torch.stack(list(plain_x.values())), [reqs[j].seq.params for j in plain_x],
-                              [randomness(reqs[j]) for j in plain_x], self.generator)
-            for j, t in zip(plain_x, got):
+        parts = []
+        if plain:
+            parts.append(sample_deferred(torch.stack(plain_x), [reqs[j].seq.params for j in plain],
+                                         [randomness(reqs[j]) for j in plain], self.generator))
+        if drafted:
+            parts.append(verify_batch([checked[j][0] for j in drafted], [checked[j][1] for j in drafted],
+                                      [reqs[j].seq.params for j in drafted],
+                                      [reqs[j].seq.num_tokens for j in drafted],
+                                      [reqs[j].generator for j in drafted], self.generator))
+        results = read(parts)
+        if plain:
+            for j, t in zip(plain, results.pop(0)):
                 chosen[j] = t if isinstance(t, Exception) else [t]
                 if not isinstance(t, Exception) and feats[j] is not None:
                     out.observed.append((chunks[j].request_id, chunks[j].start, rows[j].token_ids, feats[j]))
-        for j, c in enumerate(chunks):
-            if c.request_id in drafts:
-                chosen[j] = self._verify(out, c, reqs[j], per_row[j], drafts[c.request_id], feats[j])
+        if drafted:
+            for j, got in zip(drafted, results.pop(0)):
+                chosen[j] = got if isinstance(got, Exception) else \
+                    self._verified(out, chunks[j], reqs[j], checked[j][1], got, feats[j])
+        want = [j for j, req in enumerate(reqs)
+                if req.seq.params.logprobs is not None and not isinstance(chosen[j], Exception)]
+        lps = {}
+        if want:  # every row's logprobs read together
+            flat = token_logprobs(torch.cat([per_row[j][: len(chosen[j])] for j in want]),
+                                  [t for j in want for t in chosen[j]],
+                                  [reqs[j].seq.params.logprobs for j in want for _ in chosen[j]])
+            at = 0
+            for j in want:
+                lps[j], at = flat[at: at + len(chosen[j])], at + len(chosen[j])
         for j, req in enumerate(reqs):
-            tokens, lps = chosen[j], None
-            if req.seq.params.logprobs is not None and not isinstance(tokens, Exception):
-                lps = token_logprobs(per_row[j][: len(tokens)], tokens, [req.seq.params.logprobs] * len(tokens))
-            out.tokens[req.seq.request_id], out.logprobs[req.seq.request_id] = tokens, lps
+            out.tokens[req.seq.request_id], out.logprobs[req.seq.request_id] = chosen[j], lps.get(j)
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -215,28 +236,24 @@ class ModelRunner:
         return process_logits(logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids,
                               self._stop_ids(p))
 
-    def _verify(self, out: RunnerOutput, chunk: ScheduledChunk, req: RequestState, logits: torch.Tensor,
-                draft: Draft, feats: torch.Tensor | None) -> list[int] | Exception:
-        """Accept a prefix of the draft (lossless rule), a tree's accepted path moved into place
-        in the cache; `feats`, the row's proposer features, observed where kept."""
+    def _processed_draft(self, req: RequestState, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
+        """A drafted row's verify logits processed position by position, and its draft cut where
+        processing forbids a token (as is when it has no processors)."""
         seq, params = req.seq, req.seq.params
-        try:
-            keyed = params.seed is not None and not params.greedy
-            position = seq.num_tokens  # of the first token this verification chooses
-            if params.processes_logits:
-                logits, draft = processed_chain(logits, draft, params, seq.token_ids[: seq.num_prompt_tokens],
-                                                seq.output_token_ids, self._stop_ids(params))
-            if draft.parents is None:
-                tokens = (accept_keyed(logits, draft, params, position) if keyed else
-                          accept(logits, draft, params, req.generator, self.generator))
-                path = list(range(len(tokens) - 1))
-            else:
-                tokens, path = (accept_tree_keyed(logits, draft, params, position) if keyed else
-                                accept_tree(logits, draft, params, req.generator, self.generator))
-                self.move_kv(seq.request_id, [chunk.start + 1 + i for i in path],
-                             [chunk.start + 1 + j for j in range(len(path))])
-        except Exception as exc:  # noqa: BLE001 - this request alone fails
-            return exc
+        if not params.processes_logits:
+            return logits, draft
+        return processed_chain(logits, draft, params, seq.token_ids[: seq.num_prompt_tokens],
+                               seq.output_token_ids, self._stop_ids(params))
+
+    def _verified(self, out: RunnerOutput, chunk: ScheduledChunk, req: RequestState, draft: Draft,
+                  got: tuple[list[int], list[int]], feats: torch.Tensor | None) -> list[int]:
+        """A verified draft's tokens: a tree's accepted path moved into place in the cache; the
+        counts kept; `feats`, the row's proposer features, observed where kept."""
+        seq = req.seq
+        tokens, path = got
+        if draft.parents is not None:
+            self.move_kv(seq.request_id, [chunk.start + 1 + i for i in path],
+                         [chunk.start + 1 + j for j in range(len(path))])
         out.accepted[seq.request_id] = Verified(len(draft.tokens), max(draft.depths(), default=0), len(tokens) - 1)
         if feats is not None:
             out.observed.append((seq.request_id, chunk.start, seq.token_ids[chunk.start:] + tokens[:-1],
@@ -260,7 +277,7 @@ def randomness(req: RequestState) -> Any:
     """A seeded request draws its next token with the uniform keyed by (seed, position), so its
     output is the same with or without speculation; others use their generator."""
     seed = req.seq.params.seed
-    return req.generator if seed is None else keyed_uniform(seed, req.seq.num_tokens)
+    return req.generator if seed is None else Keyed(seed, req.seq.num_tokens)
 
 
 @dataclass

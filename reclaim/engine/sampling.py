@@ -1,8 +1,10 @@
 """Choose the next token for a batch of rows, each with its own SamplingParams and generator.
 
-Filters (top-k, then top-p on what top-k kept, then min-p) and the draw are vectorised over the
-batch; the only per-row work is one uniform number from the row's own generator, so a seeded
-request draws the same numbers whatever else shares its batch. `probs` exposes the processed
+Filters (top-k, then top-p on what top-k kept, then min-p), the uniforms and the draw are tensor
+ops over the batch, with no host sync until the caller reads the tokens (`sample_tensor`; one
+more only when a top-p or min-p row's filter reaches past the first CANDIDATES tokens). A seeded
+request draws the uniform keyed by (seed, position), so it draws the same whatever else shares
+its batch. `probs` exposes the processed
 distribution itself (what speculative decoding's rejection rule compares). Logprobs are those of
 the model's raw distribution (log_softmax of the logits), as vLLM reports them.
 
@@ -13,18 +15,30 @@ most likely token always survives the filters, so no distribution is ever empty.
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import torch
 
 from reclaim.engine.request import SamplingParams, TokenLogprob
 
 
+def clean(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits with NaN as -inf and +inf as the largest finite float, and per row whether
+    it has a finite logit at all (a bool tensor: nothing is read on the host here)."""
+    x = logits.float()
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+    return x, torch.isfinite(x.max(-1).values) if x.numel() else torch.ones(x.shape[:-1], dtype=torch.bool)
+
+
+NO_FINITE_LOGIT = "the model produced no finite logit for a row; nothing can be sampled"
+
+
 def sanitize(logits: torch.Tensor) -> torch.Tensor:
     """Float32 logits with NaN as -inf and +inf as the largest finite float; raises if a row has
     no finite logit at all (nothing could be sampled from it)."""
-    x = logits.float()
-    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
-    if x.numel() and not torch.isfinite(x.max(-1).values).all():
-        raise ValueError("the model produced no finite logit for a row; nothing can be sampled")
+    x, ok = clean(logits)
+    if not bool(ok.all()):
+        raise ValueError(NO_FINITE_LOGIT)
     return x
 
 
@@ -116,57 +130,64 @@ def _needs_sorting(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
 
 
-def _candidates(x: torch.Tensor, p: SamplingParams) -> int:
-    """How many of a row's most likely tokens its filters can keep at most (x: its logits after
-    temperature, [V]): top-k's k, else what top-p's mass or min-p's threshold reaches, else V."""
-    v = x.shape[-1]
-    if p.top_k > 0:
-        return min(p.top_k, v)
-    k = v
-    if p.min_p > 0:  # tokens with prob >= min_p * p_max, i.e. logit >= max + log(min_p)
-        k = int((x >= x.max() + torch.log(torch.tensor(p.min_p, dtype=x.dtype))).sum())
-    if p.top_p < 1:  # the smallest power-of-4 multiple of 64 whose mass reaches top_p
-        lse, k_p = x.logsumexp(-1), 64
-        while k_p < v // 4:
-            if float((x.topk(k_p).values - lse).exp().sum()) >= p.top_p:
-                return min(k, k_p)
-            k_p *= 4
-    return k
+# Most likely tokens a top-p or min-p row's filters are first tried on: one top-k over the batch
+# instead of sorting the vocabulary (49k tokens: ~2 ms a row on a CPU). A row whose kept set may
+# reach past them (a flat distribution) is filtered over the whole sorted vocabulary instead.
+CANDIDATES = 1024
+
+
+def _covered(vals: torch.Tensor, lse: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """Per row of the K most likely logits `vals` [R, K] (row max 0, descending), whether its
+    filters keep only tokens among them: a top-k within K, a top-p whose mass they reach, or a
+    min-p whose threshold falls inside them."""
+    dev, k = vals.device, vals.shape[-1]
+    top_k = torch.tensor([0 < p.top_k <= k for p in ps], device=dev)
+    top_p = torch.tensor([p.top_p for p in ps], device=dev, dtype=vals.dtype)
+    min_p = torch.tensor([p.min_p for p in ps], device=dev, dtype=vals.dtype)
+    mass = (vals - lse).exp().cumsum(-1)[:, -1]
+    return top_k | ((top_p < 1) & (mass >= top_p)) | ((min_p > 0) & (vals[:, -1] < min_p.log()))
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]
                    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
     """The distributions of sampled (non-greedy) rows after temperature, top-k, top-p and min-p,
-    as groups (rows, probs float64 [R, K], ids [R, K]): with a filter, each row's K most likely
-    tokens in descending order, K covering everything its filters keep; without one, the whole
-    vocabulary in its own order (ids None), so the common case sorts nothing. A row's group
-    depends on its own logits and params only, so its draw does not depend on its batch."""
+    as groups (rows, probs float64 [R, K], ids [R, K]): rows with a filter over their K most
+    likely tokens in descending order (K covering everything any of their filters keeps), rows
+    without over the whole vocabulary in its own order (ids None), so the common case sorts
+    nothing. A row's probabilities do not depend on the rows beside it. Reads one bool on the
+    host only when a top-p or min-p row is present."""
     dev = logits.device
-    x = sanitize(logits)
+    x, _ = clean(logits)
     x = x - x.max(-1, keepdim=True).values
     temp = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)
     x = x / temp[:, None]
     v = x.shape[-1]
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault(_candidates(x[i], p) if _needs_sorting(p) else -1, []).append(i)
+    plain = [i for i, p in enumerate(params) if not _needs_sorting(p)]
+    filt = [i for i, p in enumerate(params) if _needs_sorting(p)]
     out = []
-    for k, rows in groups.items():
-        xs, ps = x[rows], [params[i] for i in rows]
-        if k < 0:
-            out.append((rows, xs.double().softmax(-1), None))
-            continue
+    if plain:
+        out.append((plain, x[plain].double().softmax(-1), None))
+    if filt:
+        xs, ps = x[filt], [params[i] for i in filt]
         # The candidates' probabilities are relative to the whole row (top-k's kept set is all there).
         lse = xs.logsumexp(-1, keepdim=True)
-        xs, ids = xs.topk(k, dim=-1) if k < v else xs.sort(dim=-1, descending=True, stable=True)
-        xs = filter_sorted(
-            xs,
+        k = min(v, max([p.top_k for p in ps if p.top_k > 0] +
+                       [CANDIDATES for p in ps if p.top_p < 1 or p.min_p > 0]))
+        vals = ids = None
+        if k < v:
+            vals, ids = xs.topk(k, dim=-1)
+            if any(p.top_p < 1 or p.min_p > 0 for p in ps) and not bool(_covered(vals, lse, ps).all()):
+                vals = None
+        if vals is None:
+            vals, ids = xs.sort(dim=-1, descending=True, stable=True)
+        vals = filter_sorted(
+            vals,
             torch.tensor([p.top_k for p in ps], device=dev, dtype=torch.int64),
-            torch.tensor([p.top_p for p in ps], device=dev, dtype=xs.dtype),
-            torch.tensor([p.min_p for p in ps], device=dev, dtype=xs.dtype),
+            torch.tensor([p.top_p for p in ps], device=dev, dtype=vals.dtype),
+            torch.tensor([p.min_p for p in ps], device=dev, dtype=vals.dtype),
             lse=lse,
         )
-        out.append((rows, xs.double().softmax(-1), ids))
+        out.append((filt, vals.double().softmax(-1), ids))
     return out
 
 
@@ -202,12 +223,85 @@ def keyed_uniform(seed: int, position: int) -> float:
     return ((x ^ (x >> 31)) >> 11) / float(1 << 53)
 
 
+class Keyed(NamedTuple):
+    """A row's randomness as its (seed, position) key: its uniform is keyed_uniform(seed,
+    position), computed with the batch's other keyed rows as tensor ops (`keyed_uniforms`)."""
+
+    seed: int
+    position: int
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> keeps the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def keyed_uniforms(seeds: list[int], positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """keyed_uniform of each (seed, position), float64 [n], as int64 tensor ops (splitmix64:
+    multiplications wrap modulo 2**64 as the bits of unsigned ones do)."""
+    s = torch.tensor([_i64(x) for x in seeds], dtype=torch.int64, device=device)
+    p = torch.tensor([_i64(x & MASK64) for x in positions], dtype=torch.int64, device=device)
+    x = s * _i64(0x9E3779B97F4A7C15) + p * _i64(0xD1B54A32D192ED03) + _i64(0x632BE59BD9B4E019)
+    x = (x ^ _shr(x, 30)) * _i64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _i64(0x94D049BB133111EB)
+    return _shr(x ^ _shr(x, 31), 11).double() / float(1 << 53)
+
+
 def uniforms(rows: list[int], sources: list, fallback: torch.Generator | None,
              device: torch.device) -> torch.Tensor:
-    """One uniform in [0, 1) per row: the row's own float if it has one, else a draw from its
-    generator (or the fallback)."""
-    return torch.tensor([s if isinstance(s, float) else torch.rand((), generator=s or fallback).item()
-                         for s in (sources[i] for i in rows)], device=device, dtype=torch.float64)
+    """One uniform in [0, 1) per row, float64 [len(rows)] on `device`: the row's own float, its
+    Keyed (seed, position), a draw from its own generator, or (None) from `fallback`. Keyed rows
+    and fallback rows are each one tensor op for the whole batch."""
+    srcs = [sources[i] for i in rows]
+    out = torch.empty(len(rows), dtype=torch.float64, device=device)
+    fixed = [j for j, s in enumerate(srcs) if isinstance(s, float)]
+    if fixed:
+        out[fixed] = torch.tensor([srcs[j] for j in fixed], dtype=torch.float64, device=device)
+    keyed = [j for j, s in enumerate(srcs) if isinstance(s, Keyed)]
+    if keyed:
+        out[keyed] = keyed_uniforms([srcs[j].seed for j in keyed], [srcs[j].position for j in keyed], device)
+    shared = [j for j, s in enumerate(srcs) if s is None]
+    if shared:
+        if fallback is None:
+            raise ValueError("a row without its own randomness needs a fallback generator")
+        out[shared] = draws(len(shared), fallback).to(device)
+    for j, s in enumerate(srcs):
+        if isinstance(s, torch.Generator):
+            out[j] = draws(1, s).to(device)[0]
+    return out
+
+
+def draws(n: int, generator: torch.Generator) -> torch.Tensor:
+    """n uniforms in [0, 1), float64, from `generator` on its own device (a generator only
+    draws on the device it belongs to)."""
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device)
+
+
+def sample_tensor(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list,
+    fallback: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per row of `logits` [B, V] and whether the row had a finite logit (both
+    tensors: nothing read on the host but, with a top-p or min-p row, one bool). `generators[i]`
+    is row i's randomness: a Generator, a fixed uniform (float), a Keyed, or None for `fallback`."""
+    x, ok = clean(logits)
+    tokens = x.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        groups = filtered_probs(x[rows], [params[i] for i in rows])
+        us = uniforms(rows, generators, fallback, logits.device)  # after what can fail: none drawn then
+        for group, sp, ids in groups:
+            picked = draw(sp, us[group])
+            where = torch.tensor([rows[j] for j in group], device=logits.device)
+            tokens[where] = picked if ids is None else ids.gather(1, picked[:, None]).squeeze(1)
+    return tokens, ok
 
 
 def sample(
@@ -216,17 +310,52 @@ def sample(
     generators: list,
     fallback: torch.Generator | None = None,
 ) -> list[int]:
-    """Next token per row of `logits` [B, V]. `generators[i]` is row i's randomness: a
-    generator, a fixed uniform (float, e.g. `keyed_uniform`) or None for `fallback`."""
-    tokens = sanitize(logits).argmax(-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        groups = filtered_probs(logits[rows], [params[i] for i in rows])
-        us = uniforms(rows, generators, fallback, logits.device)  # after what can fail: none drawn then
-        for group, sp, ids in groups:
-            picked = draw(sp, us[group])
-            tokens[[rows[j] for j in group]] = picked if ids is None else ids.gather(1, picked[:, None]).squeeze(1)
-    return tokens.tolist()
+    """Next token per row of `logits` [B, V] (see `sample_tensor`); raises ValueError when a row
+    has no finite logit."""
+    tokens, ok = sample_tensor(logits, params, generators, fallback)
+    got = torch.stack([tokens, ok.long()]).tolist()
+    if not all(got[1]):
+        raise ValueError(NO_FINITE_LOGIT)
+    return got[0]
+
+
+class Deferred(NamedTuple):
+    """Integers computed on the device (`values`, int64 [n]) and what turns them, once read on
+    the host, into the result (`finish`). A step concatenates every Deferred's values and reads
+    them all with one host sync."""
+
+    values: torch.Tensor
+    finish: Callable[[list[int]], Any]
+
+
+def read(parts: list[Deferred]) -> list[Any]:
+    """Every part's result, its values read on the host together (one sync)."""
+    parts = [d for d in parts if d is not None]
+    got = torch.cat([d.values.reshape(-1).long() for d in parts]).tolist() if parts else []
+    out, at = [], 0
+    for d in parts:
+        n = d.values.numel()
+        out.append(d.finish(got[at:at + n]))
+        at += n
+    return out
+
+
+def sample_deferred(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list,
+    fallback: torch.Generator | None = None,
+) -> Deferred:
+    """`sample_each` with the tokens left on the device until `read`: its result is, per row, a
+    token or the exception that fails that row alone."""
+    try:
+        tokens, ok = sample_tensor(logits, params, generators, fallback)
+    except Exception:  # some row's params fail the batch: sample row by row now (rare)
+        done = sample_each(logits, params, generators, fallback)
+        return Deferred(torch.zeros(0, dtype=torch.long, device=logits.device), lambda _: done)
+    n = len(params)
+    return Deferred(torch.cat([tokens, ok.long()]),
+                    lambda got: [t if good else ValueError(NO_FINITE_LOGIT) for t, good in zip(got[:n], got[n:])])
 
 
 def sample_each(
@@ -236,9 +365,10 @@ def sample_each(
     fallback: torch.Generator | None = None,
 ) -> list[int | Exception]:
     """`sample`, but a row whose sampling fails gets its exception instead of a token, and the
-    other rows are sampled as if it were not there (one bad request fails alone)."""
+    other rows are sampled as if it were not there (one bad request fails alone). One host read
+    for the batch (two with a top-p or min-p row) unless some row's params fail the batch."""
     try:
-        return list(sample(logits, params, generators, fallback))
+        tokens, ok = sample_tensor(logits, params, generators, fallback)
     except Exception:  # find the failing rows; the others draw exactly what they would have
         out: list[int | Exception] = []
         for i in range(len(params)):
@@ -247,20 +377,27 @@ def sample_each(
             except Exception as exc:  # noqa: BLE001 - reported on that request alone
                 out.append(exc)
         return out
+    got = torch.stack([tokens, ok.long()]).tolist()
+    return [t if good else ValueError(NO_FINITE_LOGIT) for t, good in zip(*got)]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
-    """Logprob of each row's chosen token and its `num_top[i]` most likely alternatives."""
+    """Logprob of each row's chosen token and its `num_top[i]` most likely alternatives (one
+    read on the host)."""
     lp = torch.nan_to_num(logits.float(), nan=float("-inf")).log_softmax(-1)
-    chosen_t = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])
-    ranks = ((lp > chosen_t).sum(-1) + 1).tolist()
-    chosen = chosen_t.squeeze(1).tolist()
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])
+    ranks = (lp > chosen).sum(-1, keepdim=True) + 1
     k = max(num_top)
-    top_v, top_i = lp.topk(k, -1) if k else (None, None)
+    parts = [chosen.double(), ranks.double()]
+    if k:
+        top_v, top_i = lp.topk(k, -1)
+        parts += [top_v.double(), top_i.double()]  # ids below 2**53: exact as float64
+    got = torch.cat(parts, 1).tolist()
     out = []
-    for row, (tok, val, n) in enumerate(zip(token_ids, chosen, num_top)):
-        top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist())) if n else []
-        out.append(TokenLogprob(tok, val, top, ranks[row]))
+    for row, (tok, n) in enumerate(zip(token_ids, num_top)):
+        g = got[row]
+        top = [(int(i), v) for i, v in zip(g[2 + k: 2 + k + n], g[2: 2 + n])]
+        out.append(TokenLogprob(tok, g[0], top, int(g[1])))
     return out
 
 
