@@ -172,6 +172,7 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(3, 4).contiguous()
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned host, device buffers
 
     def slots(self, table: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) index tensors of a sequence's `positions` under its block `table`."""
@@ -196,15 +197,33 @@ class KVPool:
 
     def view(
         self, tables: list[list[int]], past: list[int], new: list[int], *, sliding_window: int | None = None,
-        trees: list[list[int] | None] | None = None,
+        trees: list[list[int] | None] | None = None, token_ids: list[list[int]] | None = None,
     ) -> "PagedView":
         """The cache for one forward over rows that hold `past[i]` cached and `new[i]` new tokens.
 
         `sliding_window` must be the model config's: each query then sees only the last
         `sliding_window` positions up to its own (older blocks are not even read). `trees`: per
         row, None or the parent of each new token (a speculative tree to verify; see PagedView).
+        `token_ids`: the rows' new tokens, staged with the rest as the view's `input_ids`.
         """
-        return PagedView(self, tables, past, new, sliding_window=sliding_window, trees=trees)
+        return PagedView(self, tables, past, new, sliding_window=sliding_window, trees=trees,
+                         token_ids=token_ids)
+
+    def stage(self, values: list[int]) -> torch.Tensor:
+        """`values` as an int32 tensor on the pool's device: on a GPU through a persistent pinned
+        host buffer and one asynchronous copy into a persistent device buffer (valid until the
+        next call: a step reads its results before the next one stages)."""
+        host = torch.tensor(values, dtype=torch.int32)
+        if self.k.device.type == "cpu":
+            return host
+        n = len(values)
+        if self._staged is None or self._staged[0].numel() < n:
+            cap = max(n, 2 * (0 if self._staged is None else self._staged[0].numel()), 1 << 14)
+            self._staged = (torch.empty(cap, dtype=torch.int32, pin_memory=True),
+                            torch.empty(cap, dtype=torch.int32, device=self.k.device))
+        pinned, dev = self._staged
+        pinned[:n].copy_(host)
+        return dev[:n].copy_(pinned[:n], non_blocking=True)
 
 
 def tree_depths(parents: list[int], row: int) -> tuple[list[int], list[list[bool]]]:
@@ -230,12 +249,13 @@ class PagedView:
     Rows whose tokens are a whole fresh prompt attend to their own new K/V (SDPA, causal); every
     other row (decodes, chunks after a cached prefix, speculative trees) reads the pool through
     the paged kernel (models/kernels/paged.py). Everything a layer needs is built here once, on
-    the host, and copied to the device in one go per tensor.
+    the host, and copied to the device in one go (`input_ids` too, when `token_ids` are given).
     """
 
     def __init__(
         self, pool: KVPool, tables: list[list[int]], past: list[int], new: list[int],
         *, sliding_window: int | None = None, trees: list[list[int] | None] | None = None,
+        token_ids: list[list[int]] | None = None,
     ) -> None:
         if not (len(tables) == len(past) == len(new)) or not tables or min(new) < 1:
             raise ValueError(
@@ -270,37 +290,46 @@ class PagedView:
                 tree_rows[r] = seen
         # Fresh prompts attend to their own K/V; the rest read the pool.
         self.fresh = [r for r in range(len(new)) if past[r] == 0 and new[r] > 1 and r not in tree_rows]
-        paged = [r for r in range(len(new)) if r not in set(self.fresh)]
+        fresh = set(self.fresh)
+        paged = [r for r in range(len(new)) if r not in fresh]
         self.spans = list(zip(starts[:-1], starts[1:]))
-        i32 = dict(dtype=torch.int32, device=device)
-        width = max([len(tables[r]) for r in paged], default=1)
+        n, width = starts[-1], max([len(tables[r]) for r in paged], default=1)
+        offsets = [s % bs for p, m in zip(past, new) for s in range(p, p + m)]
+        # Every index the forward needs, in one int32 buffer: built on the host, copied to the
+        # device at once, then cut into views.
+        ids = [t for row in token_ids for t in row] if token_ids is not None else [0] * n
+        if len(ids) != n:
+            raise ValueError(f"{len(ids)} token ids for a view of {n} new tokens")
+        sections = [("ids", ids), ("positions", pos), ("blk", blk), ("off", offsets), ("hi", hi),
+                    ("tables", [b for r in paged for b in (tables[r] + [0] * width)[:width]]),
+                    ("q_start", [starts[r] for r in paged]), ("q_end", [starts[r + 1] for r in paged]),
+                    ("past", [past[r] for r in paged]), ("tree_row", [int(r in tree_rows) for r in paged])]
+        buf = pool.stage([x for _, x in sections for x in x])
+        view, at = {}, 0
+        for name, xs in sections:
+            view[name], at = buf[at:at + len(xs)], at + len(xs)
         tree = None
         if tree_rows:
             t = max(len(s) for s in tree_rows.values())
-            mask = [[False] * t for _ in range(starts[-1])]
+            mask = [[False] * t for _ in range(n)]
             for r, seen in tree_rows.items():
                 for i, row in enumerate(seen):
                     mask[starts[r] + i][: len(row)] = row
             tree = torch.tensor(mask, dtype=torch.uint8, device=device)
         self.rows = PagedRows(
-            tables=torch.tensor([(tables[r] + [0] * width)[:width] for r in paged], **i32).reshape(len(paged), width),
-            q_start=torch.tensor([starts[r] for r in paged], **i32),
-            q_end=torch.tensor([starts[r + 1] for r in paged], **i32),
-            past=torch.tensor([past[r] for r in paged], **i32),
-            q_pos=torch.tensor(pos, **i32), q_hi=torch.tensor(hi, **i32), tree=tree,
-            tree_row=torch.tensor([r in tree_rows for r in paged], dtype=torch.uint8, device=device),
+            tables=view["tables"].view(len(paged), width), q_start=view["q_start"], q_end=view["q_end"],
+            past=view["past"], q_pos=view["positions"], q_hi=view["hi"], tree=tree, tree_row=view["tree_row"],
             window=w,
         )
-        self.positions = torch.tensor(pos, device=device)[None]  # [1, N]
-        # Where each new token's K/V goes: its slot's block and offset.
-        offsets = [s % bs for p, n in zip(past, new) for s in range(p, p + n)]
-        self.slot_mapping = (torch.tensor(blk, device=device), torch.tensor(offsets, device=device))
+        self.input_ids = view["ids"][None]  # [1, N]: the token ids given, if any
+        self.positions = view["positions"][None]  # [1, N]
+        self.slot_mapping = (view["blk"], view["off"])  # where each new token's K/V goes
         self.pool = pool
         self.sliding_window = w
-        self.num_tokens = starts[-1]
+        self.num_tokens = n
 
     def pack(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """The rows' new token ids as the model's input [1, N]."""
+        """The rows' new token ids as the model's input [1, N] (a view built without them)."""
         flat = [t for row in token_ids for t in row]
         if len(flat) != self.num_tokens:
             raise ValueError(f"{len(flat)} token ids for a view of {self.num_tokens} new tokens")

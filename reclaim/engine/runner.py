@@ -116,10 +116,10 @@ class ModelRunner:
         len(aux_layers) * H]), or the final states again without aux_layers."""
         view = self.pool.view([self.blocks.tables[r.seq_id] for r in rows], [r.start for r in rows],
                               [len(r.token_ids) for r in rows], sliding_window=self.sliding_window,
-                              trees=[r.parents for r in rows])
+                              trees=[r.parents for r in rows], token_ids=[r.token_ids for r in rows])
         taps = {} if aux_layers is None else {"aux_layers": aux_layers}  # only asked of models that have them
         with self._kernels():
-            got = self.model(view.pack([r.token_ids for r in rows]), view.positions, view,
+            got = self.model(view.input_ids, view.positions, view,
                              return_hidden=True, compute_logits=False, **taps)
         hidden = view.split(got.hidden)
         return list(zip(hidden, hidden if aux_layers is None else view.split(got.aux)))

@@ -28,7 +28,7 @@ _fn = None
 class PagedRows:
     """Which rows attend through the pool and what each query sees (int32 tensors, on the pool's
     device). tables [B, W] block ids; q_start, q_end, past [B]; q_pos, q_hi [N] per packed query
-    (all N, also those of rows not listed here); tree [N, T] uint8 or None, tree_row [B] uint8."""
+    (all N, also those of rows not listed here); tree [N, T] uint8 or None, tree_row [B]."""
 
     tables: torch.Tensor
     q_start: torch.Tensor

@@ -21,7 +21,7 @@
    r's queries are q_start[r] .. q_end[r] - 1 of q: rows need not cover q, so other rows can
    attend otherwise); past int32 [B]; q_pos, q_hi int32 [N]; tree uint8 [N, tree_stride] or
    NULL: where not NULL and tree_row[r] is set, query i sees new key j (slot past + j) only if
-   tree[i * tree_stride + j]. D and bs must be multiples of 16, D at most 256.
+   tree[i * tree_stride + j] (tree_row int32 [B]). D and bs must be multiples of 16, D at most 256.
 
    Batch invariant: a row's output depends on its own queries and keys only. Threads split the
    (row, head, query tile) items (OpenMP; torch's own runtime when loaded with it). */
@@ -250,7 +250,7 @@ static inline __attribute__((always_inline)) void tile(
 void paged_attention(float *out, const float *q, const float *k, const float *v,
                      const int32_t *tables, long table_stride, const int32_t *q_start,
                      const int32_t *q_end, const int32_t *past, const int32_t *q_pos, const int32_t *q_hi,
-                     const uint8_t *tree, long tree_stride, const uint8_t *tree_row, int B,
+                     const uint8_t *tree, long tree_stride, const int32_t *tree_row, int B,
                      int nh, int nkv, int D, int bs, int window, float scale, int threads) {
     const int g = nh / nkv;
     /* Items: (row, K/V head, tile of that row's queries); a tile holds QT / g query tokens. */
