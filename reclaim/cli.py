@@ -8,6 +8,8 @@ from pathlib import Path
 import typer
 
 from reclaim.bench.cli import bench_app
+from reclaim.cli_options import (DEVICE_OPT, DTYPE_OPT, DTYPES, GPU_UTIL_OPT, KV_MEMORY_OPT, MAX_LEN_OPT, _cuda,
+                                 _engine_config, _fail, _file_fields, _fit, engine_options)
 
 app = typer.Typer(help="reclaim: post-training engine that turns wasted compute into training.",
                   no_args_is_help=True, add_completion=False)
@@ -16,45 +18,6 @@ app.add_typer(bench_app, name="bench")
 # ---- inference: generate, chat, demo (owner: engine) ----
 
 MODEL_ARG = typer.Option(None, "--model", "-m", help="HF model directory; omitted: the bundled SmolLM2-135M-Instruct.")
-from reclaim.engine.config import DTYPES  # noqa: E402 - imports no torch
-DTYPE_OPT = typer.Option("float32", "--dtype", help="Weights and KV cache: float32, bfloat16 or float16.")
-KV_MEMORY_OPT = typer.Option(None, "--kv-cache-memory", help="KV cache budget in GiB (default 1); it must "
-                             "hold one max-model-len sequence, and weights plus it must fit the device.")
-
-
-def _fit(model: str | None, dtype: str, kv_cache_memory: float | None, *, max_model_len,
-         max_num_seqs: int, device: str = "cpu", block_size: int = 16, num_blocks: int | None = None):
-    """Check, before any weight is read, that the model and its KV cache fit the device.
-
-    `max_model_len(cfg)` gives the context length. Returns (model directory, max_model_len,
-    KV cache bytes); a model that does not fit exits with the reason.
-    """
-    from reclaim.engine.config import DEFAULT_KV_CACHE_BYTES
-    from reclaim.engine.kv_cache import GIB, KVPool
-    from reclaim.engine.memory import check_fits
-    from reclaim.models.loading import as_dtype, read_config, resolve_model_dir
-
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    if kv_cache_memory is not None and (kv_cache_memory <= 0 or num_blocks is not None):
-        raise typer.BadParameter(f"--kv-cache-memory {kv_cache_memory}: give a size > 0 GiB, and not "
-                                 "together with --num-blocks")
-    path = resolve_model_dir(model)
-    cfg = read_config(path)
-    max_len = max_model_len(cfg)
-    budget = DEFAULT_KV_CACHE_BYTES if kv_cache_memory is None else int(kv_cache_memory * GIB)
-    if num_blocks is not None:  # an explicit pool size is the budget
-        budget = num_blocks * block_size * KVPool.bytes_per_token(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, as_dtype(dtype))
-    try:
-        check_fits(path, cfg, dtype=as_dtype(dtype), device=device, kv_cache_bytes=budget,
-                   block_size=block_size, max_model_len=max_len, max_num_seqs=max_num_seqs)
-    except ValueError as e:
-        typer.echo(f"Error: {e}", err=True)
-        raise typer.Exit(1) from e
-    return path, max_len, budget
-
-
 SPEC_OPT = typer.Option(None, "--speculative", help="Speculative decoding: none, ngram (prompt lookup), "
                         "suffix (history: the prompt, other completions of it and recent outputs; no model), "
                         "eagle:PATH (an EAGLE drafter directory), eagle (the default model's drafter, "
@@ -130,17 +93,20 @@ def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | Non
         raise typer.BadParameter(str(e)) from e
 
 
-def _engine(model: str | None, dtype: str = "float32", kv_cache_memory: float | None = None,
-            speculative=None):
+def _engine(model: str | None, dtype: str = "auto", kv_cache_memory: float | None = None,
+            speculative=None, *, device: str | None = None, max_model_len: int | None = None,
+            gpu_memory_utilization: float | None = None):
     from reclaim.engine.engine import Engine
     from reclaim.models.loading import load_model
 
     # One conversation at a time: a small cache starts fast.
-    path, max_len, kv_bytes = _fit(model, dtype, kv_cache_memory, max_num_seqs=1,
-                                   max_model_len=lambda cfg: min(4096, cfg.max_position_embeddings))
-    m, tok = load_model(path, dtype=dtype)
+    path, max_len, kv_bytes, dev, dtype = _fit(
+        model, dtype, kv_cache_memory, max_num_seqs=1, device=device, gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=lambda cfg: max_model_len or min(4096, cfg.max_position_embeddings))
+    m, tok = load_model(path, dtype=dtype, device=dev)
     try:
-        return Engine(m, tok, max_num_seqs=1, max_model_len=max_len, kv_cache_bytes=kv_bytes, speculative=speculative)
+        return Engine(m, tok, max_num_seqs=1, max_model_len=max_len, kv_cache_bytes=kv_bytes, speculative=speculative,
+                      device=dev)
     except (ValueError, FileNotFoundError) as e:  # a drafter that does not fit, or is not there
         typer.echo(f"Error: {e}", err=True)
         raise typer.Exit(1) from e
@@ -151,7 +117,10 @@ def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message, unless --raw)."),
     model: str = MODEL_ARG,
     dtype: str = DTYPE_OPT,
+    device: str = DEVICE_OPT,
+    max_model_len: int = MAX_LEN_OPT,
     kv_cache_memory: float = KV_MEMORY_OPT,
+    gpu_memory_utilization: float = GPU_UTIL_OPT,
     max_tokens: int = typer.Option(256, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
@@ -175,7 +144,8 @@ def generate(
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
                         num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
                         suffix_cache_tokens=suffix_cache_tokens, suffix_history=suffix_history)
-    engine = _engine(model, dtype, kv_cache_memory, spec)
+    engine = _engine(model, dtype, kv_cache_memory, spec, device=device, max_model_len=max_model_len,
+                     gpu_memory_utilization=gpu_memory_utilization)
     ids = engine.tokenizer.encode(prompt) if raw else encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
     stream(engine, ids, params, sys.stdout)
 
@@ -184,7 +154,10 @@ def generate(
 def chat(
     model: str = MODEL_ARG,
     dtype: str = DTYPE_OPT,
+    device: str = DEVICE_OPT,
+    max_model_len: int = MAX_LEN_OPT,
     kv_cache_memory: float = KV_MEMORY_OPT,
+    gpu_memory_utilization: float = GPU_UTIL_OPT,
     max_tokens: int = typer.Option(512, help="Most tokens per reply."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
@@ -206,7 +179,9 @@ def chat(
     spec = _speculative(speculative, model, num_speculative_tokens=num_speculative_tokens, eagle_topk=eagle_topk,
                         num_draft_tokens=num_draft_tokens, fixed_depth=spec_fixed_depth,
                         suffix_cache_tokens=suffix_cache_tokens, suffix_history=suffix_history)
-    chat_loop(_engine(model, dtype, kv_cache_memory, spec), params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
+    engine = _engine(model, dtype, kv_cache_memory, spec, device=device, max_model_len=max_model_len,
+                     gpu_memory_utilization=gpu_memory_utilization)
+    chat_loop(engine, params, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
 
 
 @app.command()
@@ -219,22 +194,35 @@ def demo(
                                     "nothing to train), eagle (trains and caches the default drafter on first use, "
                                     "about 2-6 min), hybrid, ngram, eagle:PATH, hybrid:PATH or none."),
     speculative_tokens: int = typer.Option(96, min=1, help="Most tokens per answer of the speculative part."),
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length of the inference parts "
+                                      "(default 1024 for the batch, 2048 for the speculative chat)."),
 ) -> None:
     """The main job on the default model: batched generation, speculative decoding next to plain,
     learning from feedback while serving, a GRPO step with adaptive speculative rollouts, then a
     few exact-adjoint SSM steps."""
+    from reclaim import devices
     from reclaim.engine.quickstart import demo as run_demo
     from reclaim.engine.quickstart import speculative_demo
-    from reclaim.models.loading import load_model
+    from reclaim.models.loading import load_model, read_config, resolve_model_dir
 
-    model, tok = load_model(None)
+    if dtype not in DTYPES:
+        _fail(f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    try:
+        dev = devices.resolve_device(device)
+    except ValueError as e:
+        _fail(str(e))
+    model, tok = load_model(None, device=dev,
+                            dtype=devices.resolve_dtype(dtype, dev, read_config(resolve_model_dir(None)).torch_dtype))
     typer.echo("== inference engine: a batch of chat prompts on the default model ==")
-    run_demo(model, tok, max_tokens=max_tokens)
+    run_demo(model, tok, max_tokens=max_tokens, max_model_len=max_model_len)
     if speculative == "auto":  # the old default's name
         speculative = "suffix"
     if speculative != "none":
         typer.echo("\n== speculative decoding: a two-turn chat plain and speculative (lossless) ==")
-        speculative_demo(model, tok, _speculative(speculative, None), max_tokens=speculative_tokens)
+        speculative_demo(model, tok, _speculative(speculative, None), max_tokens=speculative_tokens,
+                         max_model_len=max_model_len)
     if online_rounds > 0:
         from reclaim.online.demo import demo_online
 
@@ -253,49 +241,6 @@ def demo(
 
 
 # ---- server: serve (owner: server) ----
-
-def engine_options(command):
-    """Give a command an option per EngineConfig field (`--max-num-seqs`, ...: the field's name,
-    its help, its type), generated rather than written out; the command gets the ones given as
-    `engine_fields` (a dict of field values)."""
-    import inspect
-    import typing
-
-    from reclaim.engine.config import EngineConfig, cli_fields
-
-    hints = typing.get_type_hints(EngineConfig)
-    sig = inspect.signature(command, eval_str=True)
-    own = [p for p in sig.parameters.values() if p.name != "engine_fields"]
-    extra = []
-    for f in cli_fields():
-        default = f" (default {f.default})" if f.default is not None and "flag_type" not in f.metadata else ""
-        extra.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.metadata.get(
-            "flag_type", hints[f.name]) | None, default=typer.Option(
-            None, f.metadata.get("flag", "--" + f.name.replace("_", "-")), help=f.metadata["help"] + default)))
-
-    def wrapper(**kwargs):
-        given = {f.name: kwargs.pop(f.name) for f in cli_fields()}
-        fields = {k: cli_value(k, v) for k, v in given.items() if v is not None}
-        return command(engine_fields=fields, **kwargs)
-
-    def cli_value(name: str, value):
-        convert = EngineConfig.__dataclass_fields__[name].metadata.get("from_flag")
-        return convert(value) if convert is not None else value
-
-    wrapper.__name__, wrapper.__doc__ = command.__name__, command.__doc__
-    wrapper.__signature__ = sig.replace(parameters=own + extra)
-    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
-    return wrapper
-
-
-def _engine_config(path: str | None, fields: dict):
-    """The EngineConfig of --engine-config (a YAML file or none) with the options given on top,
-    every field checked by load_config."""
-    from reclaim.config import load_config
-    from reclaim.engine.config import EngineConfig
-
-    return load_config(EngineConfig, path, fields)
-
 
 @app.command()
 @engine_options
@@ -372,14 +317,16 @@ def serve(
                               record_host_budget=record_host_budget)
     try:
         args = _engine_config(engine_config, engine_fields).replace(speculative=spec)
-        args = args if args.device is not None else args.replace(device="cpu")  # weights load on the CPU unless told
-        # the budget given (a flag or the file), refused beside --num-blocks, which sets it
-        kv_gib = args.kv_cache_bytes / GIB if "kv_cache_bytes" in engine_fields or args.num_blocks is None else None
-        _, _, kv_bytes = _fit(model, args.dtype, kv_gib,
-                              max_num_seqs=args.max_num_seqs, device=args.device, block_size=args.block_size,
-                              max_model_len=lambda cfg: args.max_model_len or cfg.max_position_embeddings,
-                              num_blocks=args.num_blocks)
-        args = args.replace(kv_cache_bytes=kv_bytes)
+        # the budget given (a flag or the file), refused beside --num-blocks, which sets it; on CUDA
+        # without one, --gpu-memory-utilization's share sizes it
+        given = "kv_cache_bytes" in engine_fields or (engine_config is not None and "kv_cache_bytes" in
+                                                      _file_fields(engine_config))
+        kv_gib = args.kv_cache_bytes / GIB if given or (args.num_blocks is None and not _cuda(args.device)) else None
+        _, _, kv_bytes, dev, dtype = _fit(model, args.dtype, kv_gib, max_num_seqs=args.max_num_seqs, device=args.device,
+                                          block_size=args.block_size, num_blocks=args.num_blocks,
+                                          gpu_memory_utilization=args.gpu_memory_utilization,
+                                          max_model_len=lambda cfg: args.max_model_len or cfg.max_position_embeddings)
+        args = args.replace(kv_cache_bytes=kv_bytes, device=dev, dtype=dtype)
         connections = ConnectionLimits(max_connections=limit_concurrency, header_timeout=header_timeout,
                                        body_timeout=body_timeout, keep_alive=timeout_keep_alive)
     except ValueError as e:

@@ -93,7 +93,7 @@ def test_serve_refuses_two_different_models(tiny_dir, served, tmp_path):
 
 def test_unknown_dtype_is_refused(tiny_dir, no_loading):
     res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--dtype", "int8"])
-    assert res.exit_code == 2 and "allowed: float32, bfloat16, float16" in res.output
+    assert res.exit_code == 2 and "allowed: auto, float32, bfloat16, float16" in res.output
 
 
 @pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"], ["serve"]])
@@ -110,3 +110,46 @@ def test_model_too_big_for_the_device_stops_before_loading(tiny_dir, no_loading,
     res = CliRunner().invoke(app, [*command, "-m", tiny_dir])
     assert res.exit_code == 1 and not served
     assert "does not fit on cpu" in res.output and "only 3.81e-06 GiB is free" in res.output
+
+
+@pytest.mark.parametrize("device,says", [("cuda", "CUDA is not available"), ("cuda:3", "CUDA is not available"),
+                                         ("tpu", "not a device"), ("meta", "runs on cpu or cuda")])
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"], ["serve"], ["demo"]])
+def test_a_device_this_machine_lacks_is_one_line_naming_what_is_here(tiny_dir, no_loading, served, device, says,
+                                                                      command):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = [*command] + ([] if command == ["demo"] else ["-m", tiny_dir])
+    res = CliRunner().invoke(app, [*args, "--device", device])
+    assert res.exit_code == 2 and not served
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and device in lines[0] and says in lines[0] and "available here: cpu" in lines[0], res.output
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_gpu_memory_utilization_outside_0_1_is_refused_by_name(tiny_dir, no_loading, served, value):
+    res = CliRunner().invoke(app, ["serve", "-m", tiny_dir, "--gpu-memory-utilization", value])
+    assert res.exit_code == 2 and "gpu_memory_utilization" in res.output and "(0, 1]" in res.output and not served
+
+
+def test_gpu_memory_utilization_on_a_cpu_points_to_the_kv_cache_memory(tiny_dir, no_loading):
+    res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--device", "cpu",
+                                   "--gpu-memory-utilization", "0.5"])
+    assert res.exit_code == 2 and "--kv-cache-memory" in res.output
+
+
+def test_device_and_max_model_len_reach_the_engine(tiny_dir, engines):
+    res = CliRunner().invoke(app, ["generate", "Hi", "-m", tiny_dir, "--device", "cpu", "--max-model-len", "64",
+                                   "--max-tokens", "2"])
+    assert res.exit_code == 0, res.output
+    assert engines == [(torch.float32, GIB, 64)]
+
+
+def test_auto_dtype_is_float32_on_a_cpu_and_the_checkpoints_half_precision_on_cuda():
+    from reclaim.devices import resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu, "bfloat16") == "float32"
+    assert resolve_dtype("auto", cuda, "float16") == "float16"
+    assert resolve_dtype("auto", cuda, "float32") == "bfloat16" == resolve_dtype(None, cuda, None)
+    assert resolve_dtype("float32", cuda, "bfloat16") == "float32"

@@ -114,8 +114,8 @@ def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
             torch.cuda.synchronize()
         return loss
 
-    step(torch.randint(0, spec.vocab_size, (1, 512), generator=gen).to(device))  # first-call work
-    batch = torch.randint(0, spec.vocab_size, (1, context), generator=gen).to(device)
+    step(torch.randint(0, spec.vocab_size, (1, 512), generator=gen, device=gen.device).to(device))  # first-call work
+    batch = torch.randint(0, spec.vocab_size, (1, context), generator=gen, device=gen.device).to(device)
     params = sum(p.numel() for p in model.parameters())
     # Memory first: on CPU the process started with freed buffers going straight back to the OS
     # (run_point), so the resident-set peak tracks live tensors; the default heap would keep
@@ -320,7 +320,7 @@ def truncation_error(spec: BenchSpec, context: int, windows: list[int]) -> dict[
     cfg = SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, context_length=context)
     model = build_model(cfg, spec.vocab_size).to(spec.device)
     gen = torch.Generator().manual_seed(spec.seed)
-    ids = torch.randint(0, spec.vocab_size, (1, context), generator=gen).to(spec.device)
+    ids = torch.randint(0, spec.vocab_size, (1, context), generator=gen, device=gen.device).to(spec.device)
 
     def gradient(window: int | None) -> torch.Tensor:
         model.zero_grad(set_to_none=True)

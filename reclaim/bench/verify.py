@@ -87,7 +87,7 @@ def measure(model: torch.nn.Module, dev: torch.device, batch: int, widths: list[
                                               num_blocks=batch * 20 + 20, seed=0))
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=DECODE, ignore_eos=True)
-    ids = [engine.add_request(None, torch.randint(0, model.config.vocab_size, (PROMPT,), generator=g).tolist(),
+    ids = [engine.add_request(None, torch.randint(0, model.config.vocab_size, (PROMPT,), generator=g, device=g.device).tolist(),
                               params) for _ in range(batch)]
     steps: list[float] = []
     while len(steps) < DECODE // 2:  # mid-run: every prefix is cached, the widths are timed there

@@ -100,6 +100,6 @@ def window_batch(tokens: torch.Tensor, context_length: int, batch_size: int, see
     for j in range(index * batch_size, (index + 1) * batch_size):
         epoch, pos = divmod(j, n)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        w = int(torch.randperm(n, generator=gen)[pos])
+        w = int(torch.randperm(n, generator=gen, device=gen.device)[pos])
         rows.append(tokens[w * context_length:(w + 1) * context_length])
     return torch.stack(rows).long()

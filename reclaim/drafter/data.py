@@ -83,7 +83,7 @@ class DrafterBuffer:
         g = torch.Generator().manual_seed(mix_seed(seed, step, 0))
         out: list[DrafterSample] = []
         longest = 0
-        for i in torch.randperm(len(self._samples), generator=g).tolist():
+        for i in torch.randperm(len(self._samples), generator=g, device=g.device).tolist():
             s = self._samples[i]
             longest_if = max(longest, s.num_tokens)
             if out and (len(out) >= batch_size or longest_if * (len(out) + 1) > batch_tokens):

@@ -66,7 +66,8 @@ def drafter_loss(drafter: EagleDrafter, target: torch.nn.Module, batch: Sequence
         embeds = F.embedding(ids[:, 1:], embed_w)
         feats = hidden[:, :-1]
         if feature_noise:
-            noise = torch.rand(feats.shape, generator=generator, dtype=torch.float32)
+            noise = torch.rand(feats.shape, generator=generator, dtype=torch.float32,
+                               device=feats.device if generator is None else generator.device)
             feats = feats + ((noise * 2 - 1) * feature_noise).to(feats)
         sel = mask[:, 1:]  # g_i counts where f_{i+1} is a response token's state
         want = hidden[:, 1:][sel]

@@ -19,7 +19,7 @@ DEFAULT_KV_CACHE_BYTES = GIB
 # weights (exact: no token is conditioned on old-weights K/V), or keep it (cheaper, mixes versions).
 KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
 HEAD_KERNELS = ("auto", "linear")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -40,9 +40,14 @@ class EngineConfig:
     kv_cache_bytes: int = _opt(DEFAULT_KV_CACHE_BYTES, "KV cache budget in GiB (default 1); it must hold one "
                                "max-model-len sequence, and weights plus it must fit the device.",
                                flag="--kv-cache-memory", flag_type=float, from_flag=lambda gib: int(gib * GIB))
-    device: str | None = _opt(None, "Torch device, e.g. cpu or cuda (default: the model's; serve: cpu).")
-    dtype: str = _opt("float32", "Weights and KV cache: float32, bfloat16 or float16 (the weights are "
-                      "loaded in it; an engine over a loaded model uses the model's).")
+    device: str | None = _opt(None, "Torch device: auto (CUDA when there is one, else cpu), cpu, cuda or "
+                              "cuda:N (default: the model's; serve: auto).")
+    dtype: str = _opt("auto", "Weights and KV cache: auto (float32 on a CPU, the checkpoint's bfloat16 or "
+                      "float16 on CUDA), float32, bfloat16 or float16 (the weights are loaded in it; an "
+                      "engine over a loaded model uses the model's).")
+    gpu_memory_utilization: float | None = _opt(None, "CUDA: the share of the GPU's memory weights and KV "
+                                                "cache may take (vLLM's; 0.9 when no KV cache memory is given); "
+                                                "the KV cache gets what the weights leave.")
     seed: int = _opt(0, "Seed of the generator unseeded requests draw from.")
     head: str = _opt("auto", "LM-head kernel: auto (reclaim's on CPU float32) or linear (F.linear).")
     kv_on_weight_update: str = _opt("recompute", "Running requests' cached K/V after a weight update: "
@@ -55,6 +60,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; allowed: an integer >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks!r}; allowed: an integer >= 1, or None (sized by the engine)")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}; allowed: a share of the "
+                             "GPU's memory in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len!r}; allowed: an integer >= 2, or None (the model's)")
         for name, allowed in (("dtype", DTYPES), ("head", HEAD_KERNELS),

@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from reclaim.devices import prepare, resolve_device
 from reclaim.engine.config import EngineConfig
 from reclaim.engine.detokenize import IncrementalDetokenizer
 from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
@@ -86,7 +87,8 @@ class Engine:
             proposer = fields.pop("drafter") if proposer is None else proposer
         self.config = cfg = (config or EngineConfig()).replace(**fields)
         param = next(model.parameters())
-        device = torch.device(cfg.device) if cfg.device is not None else param.device
+        device = resolve_device(cfg.device) if cfg.device is not None else param.device
+        prepare(device)
         max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         num_blocks = cfg.num_blocks or plan_kv_blocks(
             model.config, kv_cache_bytes=cfg.kv_cache_bytes, block_size=cfg.block_size,

@@ -61,10 +61,11 @@ def chat_loop(engine: Engine, params: SamplingParams, lines: Iterable[str], out:
     return history
 
 
-def demo(model: Any, tokenizer: Any, *, max_tokens: int = 64, out: TextIO | None = None) -> dict[str, float]:
+def demo(model: Any, tokenizer: Any, *, max_tokens: int = 64, out: TextIO | None = None,
+         max_model_len: int | None = None) -> dict[str, float]:
     """A batch of chat prompts through the engine at once; prints answers and tokens/s."""
     out = out or sys.stdout
-    engine = Engine(model, tokenizer, max_num_seqs=len(DEMO_QUESTIONS), max_model_len=1024)
+    engine = Engine(model, tokenizer, max_num_seqs=len(DEMO_QUESTIONS), max_model_len=max_model_len or 1024)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -82,7 +83,7 @@ SPEC_FOLLOW_UP = "Now write the same solution again as a numbered list of steps.
 
 
 def speculative_demo(model: Any, tokenizer: Any, speculative: Any, *, max_tokens: int = 96,
-                     out: TextIO | None = None) -> dict[str, float]:
+                     out: TextIO | None = None, max_model_len: int | None = None) -> dict[str, float]:
     """A two-turn chat decoded plainly, then speculatively: the same text, each turn's speed-up
     and tau. The second turn restates the first answer: a history drafter drafts it from the
     conversation itself (nothing trained or cached beforehand)."""
@@ -91,7 +92,7 @@ def speculative_demo(model: Any, tokenizer: Any, speculative: Any, *, max_tokens
     runs: dict[str, list[tuple[Any, float]]] = {}
     stats = {}
     for name, spec in (("plain", None), ("speculative", speculative)):
-        engine = Engine(model, tokenizer, max_num_seqs=1, max_model_len=2048, speculative=spec)
+        engine = Engine(model, tokenizer, max_num_seqs=1, max_model_len=max_model_len or 2048, speculative=spec)
         engine.generate([encode_chat(tokenizer, [{"role": "user", "content": "Hi"}])[:8]],
                         SamplingParams(temperature=0, max_tokens=2))  # warm-up
         messages = [{"role": "user", "content": SPEC_QUESTION}]

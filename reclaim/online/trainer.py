@@ -163,6 +163,7 @@ class CostModel:
         (the machine may be shared)."""
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(0)
+        dev = next(model.parameters()).device  # token ids are drawn on the CPU, run where the model is
 
         def best(fn: Callable[[object], object], setup: Callable[[], object] = lambda: None) -> float:
             out = math.inf
@@ -171,12 +172,14 @@ class CostModel:
                 arg = setup()
                 t = time.perf_counter()
                 fn(arg)
+                if dev.type == "cuda":  # kernels run asynchronously: wait for them
+                    torch.cuda.synchronize(dev)
                 out = min(out, time.perf_counter() - t)
             return out
 
         forward, inference = [], []
         for p in prompt_tokens:
-            ids = torch.randint(vocab, (1, p), generator=g)
+            ids = torch.randint(vocab, (1, p), generator=g, device=g.device).to(dev)
             with torch.enable_grad():
                 forward.append(best(lambda _: model(ids, return_hidden=True, compute_logits=False)))
             with torch.inference_mode():
@@ -189,15 +192,14 @@ class CostModel:
 
         p0, f0 = prompt_tokens[0], forward[0]
         (fixed, slope), (inf_fixed, inf_slope) = line(forward), line(inference)
-        prompt = torch.randint(vocab, (p0,), generator=g).tolist()
-        resp = torch.randint(vocab, (response_tokens,), generator=g).tolist()
+        prompt = torch.randint(vocab, (p0,), generator=g, device=g.device).tolist()
+        resp = torch.randint(vocab, (response_tokens,), generator=g, device=g.device).tolist()
         with torch.enable_grad():
             recompute = best(lambda _: recompute_loss(model, [prompt], [resp])[0].backward())
             reuse = best(lambda rec: reuse_loss(model, [rec], [resp])[0].backward(),
                          lambda: record_prompt(model, prompt, response_id="probe", version=0))
         model.zero_grad(set_to_none=True)
         buf = torch.empty(4 << 20)  # 16 MiB
-        dev = next(model.parameters()).device
         t = time.perf_counter()
         buf.to(dev, copy=True)
         if dev.type == "cuda":

@@ -61,7 +61,7 @@ def prompt_rows(num_rows: int, per_step: int, generation: int, seed: int) -> lis
     for flat in range(generation * per_step, (generation + 1) * per_step):
         epoch, i = divmod(flat, num_rows)
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        out.append(int(torch.randperm(num_rows, generator=g)[i]))
+        out.append(int(torch.randperm(num_rows, generator=g, device=g.device)[i]))
     return out
 
 

@@ -283,7 +283,8 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
                 f.write(json.dumps({"step": step + 1, "prompt": r["prompt"][-1]["content"], "completion": texts[i][0]["content"],
                                     "rewards": dict(zip(reward_names, per_func[i].tolist())),
                                     "advantage": adv[i].item()}) + "\n")
-    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(request_seed(cfg.seed, step, -1)))
+    order = torch.randperm(len(ids), device="cpu",
+                           generator=torch.Generator().manual_seed(request_seed(cfg.seed, step, -1)))
     return RolloutBatch(ids, completions, mask, adv, order.tolist(), metrics=metrics)
 
 

@@ -143,14 +143,16 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     with `learn` (an OnlineTrainConfig), also learn from feedback on the responses. With
     `save_suffix_history`, the history drafter's recent outputs are written there at shutdown
     (what `--suffix-history` starts the next server from)."""
-    from reclaim.models.loading import load_model, resolve_model_dir
+    from reclaim.devices import resolve_device, resolve_dtype
+    from reclaim.models.loading import load_model, read_config, resolve_model_dir
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model_dir(model)
     engine_config = engine_config or EngineConfig()
-    if engine_config.device is None:  # a server loads its weights on the CPU unless told
-        engine_config = engine_config.replace(device="cpu")
+    device = resolve_device(engine_config.device)  # auto: CUDA when there is one
+    engine_config = engine_config.replace(device=str(device), dtype=resolve_dtype(
+        engine_config.dtype, device, read_config(path).torch_dtype))
     weights, tokenizer = load_model(path, device=engine_config.device, dtype=engine_config.dtype)
     names = (served_model_name or (model if model else Path(path).name),)
     if model is None:
