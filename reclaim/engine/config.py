@@ -52,6 +52,8 @@ class EngineConfig:
     head: str = _opt("auto", "LM-head kernel: auto (reclaim's on CPU float32) or linear (F.linear).")
     kv_on_weight_update: str = _opt("recompute", "Running requests' cached K/V after a weight update: "
                                     "recompute (exact) or keep.")
+    compile: bool = _opt(False, "torch.compile the decode forward (one graph for every batch size; on CUDA "
+                         "with CUDA graphs, mode reduce-overhead); a compile failure runs eagerly with a warning.")
     speculative: Any = _opt(None, "A SpeculativeConfig, or None for plain decoding.", cli=False)
 
     def __post_init__(self) -> None:

@@ -94,7 +94,8 @@ class Engine:
             model.config, kv_cache_bytes=cfg.kv_cache_bytes, block_size=cfg.block_size,
             max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, dtype=param.dtype)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.runner = ModelRunner(model, self.blocks, device, head=cfg.head)
+        self.runner = ModelRunner(model, self.blocks, device, head=cfg.head, compile=cfg.compile,
+                                  max_model_len=max_model_len)
         self.model, self.device = self.runner.model, device
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(

@@ -151,9 +151,11 @@ def plan_kv_blocks(
 
 
 class KVPool:
-    """K and V for every block: k [layers, blocks, Hkv, D, block_size] (keys transposed within a
-    block), v [layers, blocks, Hkv, block_size, D]: the layout paged attention reads in place
-    (models/kernels/paged.py).
+    """K and V for every block, a tensor per layer: k[layer] [blocks, Hkv, D, block_size] (keys
+    transposed within a block), v[layer] [blocks, Hkv, block_size, D]: the layout paged attention
+    reads in place (models/kernels/paged.py). One allocation per layer, not one for all: a
+    compiled graph writes each layer's pool, and writes to views of one shared tensor are not
+    kept apart there.
     """
 
     def __init__(
@@ -167,18 +169,26 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        # One block past num_blocks, never handed out: where padding tokens' K/V go.
+        self.spare = num_blocks
+        shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
         # Zeros, not empty: a kernel never uses unwritten slots, but garbage could be NaN in a dump.
-        self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(3, 4).contiguous()
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3).contiguous()
+                  for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
+        self.dtype, self.device = dtype, torch.device(device)
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned host, device buffers
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def slots(self, table: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) index tensors of a sequence's `positions` under its block `table`."""
         bs = self.block_size
-        return (torch.tensor([table[p // bs] for p in positions], device=self.k.device),
-                torch.tensor([p % bs for p in positions], device=self.k.device))
+        return (torch.tensor([table[p // bs] for p in positions], device=self.device),
+                torch.tensor([p % bs for p in positions], device=self.device))
 
     def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [N, Hkv, D] at N (block, offset) slots of `layer`."""
@@ -188,16 +198,14 @@ class KVPool:
 
     def move(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy the K/V of slots `src` to slots `dst` in every layer."""
-        self.k[:, dst[0], :, :, dst[1]] = self.k[:, src[0], :, :, src[1]]
-        self.v[:, dst[0], :, dst[1]] = self.v[:, src[0], :, src[1]]
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        for k, v in zip(self.k, self.v):
+            k[dst[0], :, :, dst[1]] = k[src[0], :, :, src[1]]
+            v[dst[0], :, dst[1]] = v[src[0], :, src[1]]
 
     def view(
         self, tables: list[list[int]], past: list[int], new: list[int], *, sliding_window: int | None = None,
         trees: list[list[int] | None] | None = None, token_ids: list[list[int]] | None = None,
+        pad_to: int | None = None, table_width: int | None = None,
     ) -> "PagedView":
         """The cache for one forward over rows that hold `past[i]` cached and `new[i]` new tokens.
 
@@ -205,22 +213,24 @@ class KVPool:
         `sliding_window` positions up to its own (older blocks are not even read). `trees`: per
         row, None or the parent of each new token (a speculative tree to verify; see PagedView).
         `token_ids`: the rows' new tokens, staged with the rest as the view's `input_ids`.
+        `pad_to`, `table_width`: tokens (and paged rows) padded to that many and block tables to
+        that width, for a captured graph's static shapes.
         """
         return PagedView(self, tables, past, new, sliding_window=sliding_window, trees=trees,
-                         token_ids=token_ids)
+                         token_ids=token_ids, pad_to=pad_to, table_width=table_width)
 
     def stage(self, values: list[int]) -> torch.Tensor:
         """`values` as an int32 tensor on the pool's device: on a GPU through a persistent pinned
         host buffer and one asynchronous copy into a persistent device buffer (valid until the
         next call: a step reads its results before the next one stages)."""
         host = torch.tensor(values, dtype=torch.int32)
-        if self.k.device.type == "cpu":
+        if self.device.type == "cpu":
             return host
         n = len(values)
         if self._staged is None or self._staged[0].numel() < n:
             cap = max(n, 2 * (0 if self._staged is None else self._staged[0].numel()), 1 << 14)
             self._staged = (torch.empty(cap, dtype=torch.int32, pin_memory=True),
-                            torch.empty(cap, dtype=torch.int32, device=self.k.device))
+                            torch.empty(cap, dtype=torch.int32, device=self.device))
         pinned, dev = self._staged
         pinned[:n].copy_(host)
         return dev[:n].copy_(pinned[:n], non_blocking=True)
@@ -255,7 +265,7 @@ class PagedView:
     def __init__(
         self, pool: KVPool, tables: list[list[int]], past: list[int], new: list[int],
         *, sliding_window: int | None = None, trees: list[list[int] | None] | None = None,
-        token_ids: list[list[int]] | None = None,
+        token_ids: list[list[int]] | None = None, pad_to: int | None = None, table_width: int | None = None,
     ) -> None:
         if not (len(tables) == len(past) == len(new)) or not tables or min(new) < 1:
             raise ValueError(
@@ -263,7 +273,7 @@ class PagedView:
             )
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window}; allowed: >= 1 or None")
-        device = pool.k.device
+        device = pool.device
         bs, w = pool.block_size, sliding_window
         trees = trees or [None] * len(new)
         total = [p + n for p, n in zip(past, new)]
@@ -295,29 +305,44 @@ class PagedView:
         self.spans = list(zip(starts[:-1], starts[1:]))
         n, width = starts[-1], max([len(tables[r]) for r in paged], default=1)
         offsets = [s % bs for p, m in zip(past, new) for s in range(p, p + m)]
+        # Static shapes for a captured graph: padding tokens (no row reads them; their K/V go to
+        # the pool's spare block) and padding rows (no queries), tables of a fixed width.
+        real = n
+        if pad_to is not None and pad_to > n:
+            extra = pad_to - n
+            pos, hi, blk, offsets = pos + [0] * extra, hi + [1] * extra, blk + [pool.spare] * extra, offsets + [0] * extra
+            token_ids = None if token_ids is None else [*token_ids, [0] * extra]
+            n = pad_to
+        pad_rows = 0 if pad_to is None else max(0, pad_to - len(paged))
+        if table_width is not None:
+            if table_width < width:
+                raise ValueError(f"table_width={table_width} < the longest block table ({width} blocks)")
+            width = table_width
         # Every index the forward needs, in one int32 buffer: built on the host, copied to the
         # device at once, then cut into views.
         ids = [t for row in token_ids for t in row] if token_ids is not None else [0] * n
         if len(ids) != n:
             raise ValueError(f"{len(ids)} token ids for a view of {n} new tokens")
         sections = [("ids", ids), ("positions", pos), ("blk", blk), ("off", offsets), ("hi", hi),
-                    ("tables", [b for r in paged for b in (tables[r] + [0] * width)[:width]]),
-                    ("q_start", [starts[r] for r in paged]), ("q_end", [starts[r + 1] for r in paged]),
-                    ("past", [past[r] for r in paged]), ("tree_row", [int(r in tree_rows) for r in paged])]
-        buf = pool.stage([x for _, x in sections for x in x])
+                    ("tables", [b for r in paged for b in (tables[r] + [0] * width)[:width]] + [0] * (pad_rows * width)),
+                    ("q_start", [starts[r] for r in paged] + [0] * pad_rows),
+                    ("q_end", [starts[r + 1] for r in paged] + [0] * pad_rows),
+                    ("past", [past[r] for r in paged] + [0] * pad_rows),
+                    ("tree_row", [int(r in tree_rows) for r in paged] + [0] * pad_rows)]
+        buf = pool.stage([v for _, xs in sections for v in xs])
         view, at = {}, 0
         for name, xs in sections:
             view[name], at = buf[at:at + len(xs)], at + len(xs)
         tree = None
         if tree_rows:
             t = max(len(s) for s in tree_rows.values())
-            mask = [[False] * t for _ in range(n)]
+            mask = [[False] * t for _ in range(n)]  # (no padding: trees never run a captured graph)
             for r, seen in tree_rows.items():
                 for i, row in enumerate(seen):
                     mask[starts[r] + i][: len(row)] = row
             tree = torch.tensor(mask, dtype=torch.uint8, device=device)
         self.rows = PagedRows(
-            tables=view["tables"].view(len(paged), width), q_start=view["q_start"], q_end=view["q_end"],
+            tables=view["tables"].view(len(paged) + pad_rows, width), q_start=view["q_start"], q_end=view["q_end"],
             past=view["past"], q_pos=view["positions"], q_hi=view["hi"], tree=tree, tree_row=view["tree_row"],
             window=w,
         )
@@ -326,14 +351,14 @@ class PagedView:
         self.slot_mapping = (view["blk"], view["off"])  # where each new token's K/V goes
         self.pool = pool
         self.sliding_window = w
-        self.num_tokens = n
+        self.num_tokens = real  # the rows' own tokens (input_ids may hold padding after them)
 
     def pack(self, token_ids: list[list[int]]) -> torch.Tensor:
         """The rows' new token ids as the model's input [1, N] (a view built without them)."""
         flat = [t for row in token_ids for t in row]
         if len(flat) != self.num_tokens:
             raise ValueError(f"{len(flat)} token ids for a view of {self.num_tokens} new tokens")
-        return torch.tensor(flat, device=self.pool.k.device)[None]
+        return torch.tensor(flat, device=self.pool.device)[None]
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """A packed output [1, N, ...] as each row's [new tokens, ...]."""
@@ -344,7 +369,13 @@ class PagedView:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this layer's new K/V ([N, Hkv, D]) in their slots and return the attention of
-        the queries ([N, nh, D]) as [N, nh, D]."""
+        the queries ([N, nh, D]) as [N, nh, D]. Under torch.compile (decode rows only: no fresh
+        prompt) both are one opaque op."""
+        if torch.compiler.is_compiling():
+            r = self.rows
+            return torch.ops.reclaim.paged_attention(q, k, v, self.pool.k[layer], self.pool.v[layer],
+                                                     *self.slot_mapping, r.tables, r.q_start, r.q_end, r.past,
+                                                     r.q_pos, r.q_hi, r.tree, r.tree_row, r.window or 0)
         self.pool.write(layer, self.slot_mapping, k, v)
         out = torch.empty_like(q)
         w, gqa = self.sliding_window, k.shape[1] != q.shape[1]

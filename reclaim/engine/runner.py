@@ -15,6 +15,7 @@ rule (rejection.py); the engine commits what comes back.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -61,7 +62,7 @@ class ModelRunner:
     """Runs rows of new tokens through a reclaim causal LM against the paged K/V cache."""
 
     def __init__(self, model: torch.nn.Module, blocks: BlockManager, device: torch.device,
-                 *, head: str = "auto") -> None:
+                 *, head: str = "auto", compile: bool = False, max_model_len: int | None = None) -> None:
         cfg = model.config
         dtype = next(model.parameters()).dtype
         self.device = device
@@ -73,6 +74,10 @@ class ModelRunner:
         # head='linear' also keeps the layers on F.linear: transformers' kernels throughout.
         self._kernels = torch_kernels if head == "linear" else nullcontext
         self.sliding_window = getattr(cfg, "sliding_window", None)
+        # The decode forward compiled (compile=True; None: eager). On CUDA it replays CUDA graphs,
+        # which want static shapes: decode batches padded to a bucket, block tables to one width.
+        self._decode = CompiledDecode(self.model, device) if compile else None
+        self._table_width = -(-(max_model_len or cfg.max_position_embeddings) // blocks.block_size)
         # What `execute` reads, set by the engine: the requests by id, the stop tokens, the
         # generator of requests without their own, and the layers a proposer drafts from
         # (EAGLE-3; None: the final states).
@@ -95,7 +100,7 @@ class ModelRunner:
         per layer [1, Hkv, T, D] (any dtype and device; copied, never kept)."""
         t = keys[0].shape[2]
         where = self.pool.slots(self.blocks.tables[seq_id], list(range(start, start + t)))
-        dtype = self.pool.k.dtype
+        dtype = self.pool.dtype
         with torch.no_grad():
             for layer, (k, v) in enumerate(zip(keys, values)):
                 self.pool.write(layer, where, k[0].detach().transpose(0, 1).to(self.device, dtype),
@@ -114,9 +119,21 @@ class ModelRunner:
         """Each row's final hidden states and its drafter features from one forward over all rows
         packed together: the states entering `aux_layers`, concatenated ([len(token_ids),
         len(aux_layers) * H]), or the final states again without aux_layers."""
+        decode = (self._decode is not None and aux_layers is None
+                  and all(len(r.token_ids) == 1 and r.parents is None for r in rows))
+        graphs = decode and self.device.type == "cuda"
+        # A compiled decode sees few shapes: batches padded to a bucket (2 at least: a dimension
+        # of 1 would get a graph of its own), block tables of one width.
         view = self.pool.view([self.blocks.tables[r.seq_id] for r in rows], [r.start for r in rows],
                               [len(r.token_ids) for r in rows], sliding_window=self.sliding_window,
-                              trees=[r.parents for r in rows], token_ids=[r.token_ids for r in rows])
+                              trees=[r.parents for r in rows], token_ids=[r.token_ids for r in rows],
+                              pad_to=max(2, bucket(len(rows))) if decode else None,
+                              table_width=max(2, self._table_width) if decode else None)
+        if decode:
+            out = self._decode(view.input_ids, view.positions, view)
+            # a CUDA graph's output is overwritten by its next replay: callers may keep theirs
+            hidden = view.split((out.clone() if graphs else out)[None])
+            return list(zip(hidden, hidden))
         taps = {} if aux_layers is None else {"aux_layers": aux_layers}  # only asked of models that have them
         with self._kernels():
             got = self.model(view.input_ids, view.positions, view,
@@ -271,6 +288,48 @@ class ModelRunner:
             x = self.logits(hidden[a - chunk.start: b - chunk.start])
             got += token_logprobs(x, seq.token_ids[a + 1: b + 1], [k] * (b - a))
         return got
+
+
+# Decode batch sizes a captured graph is made for (vLLM's capture sizes): a batch runs the
+# smallest that holds it, padded.
+BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 8)) + tuple(range(272, 1025, 16))
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket of at least n rows (n itself past the largest)."""
+    return next((b for b in BUCKETS if b >= n), n)
+
+
+class CompiledDecode:
+    """The model's decode forward under torch.compile: dynamic in the number of tokens (one graph
+    for every batch size); on CUDA mode 'reduce-overhead' (CUDA graphs, one per bucket). A
+    compile failure falls back to eager once, with one warning that says why."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, backend: Any = "inductor") -> None:
+        self.model = model
+        mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+        self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True, mode=mode, backend=backend)
+        self.failed: str | None = None
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, view, return_hidden=True, compute_logits=False).hidden[0]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, view: Any) -> torch.Tensor:
+        """Final hidden states [N, H] of a decode batch."""
+        if self.failed is None:
+            try:
+                # The pool's shapes never change; sizes that happen to be equal (a batch of 2 and
+                # 2 K/V heads) are not the same size: no duck sizing, or each bucket recompiles.
+                for t in (*view.pool.k, *view.pool.v):
+                    torch._dynamo.mark_static(t)
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    return self._fn(input_ids, positions, view)
+            except Exception as e:  # noqa: BLE001 - any compile error: serve eagerly instead
+                root = e.__cause__ or e  # a backend's own error, under dynamo's wrapper
+                self.failed = f"{type(root).__name__}: {' '.join(str(root).split())[:300]}"
+                warnings.warn(f"reclaim: torch.compile of the decode forward failed, running eagerly ({self.failed})",
+                              stacklevel=2)
+        return self._forward(input_ids, positions, view)
 
 
 def randomness(req: RequestState) -> Any:

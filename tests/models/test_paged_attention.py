@@ -24,8 +24,8 @@ CASES = [  # past, new, window, trees
 def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     pool = KVPool(1, 64, bs, nkv, d)
-    pool.k.normal_(generator=g)
-    pool.v.normal_(generator=g)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
     perm = torch.randperm(64, generator=g).tolist()
     tables, i = [], 0
     for p, n in zip(past, new):
@@ -42,13 +42,13 @@ def _poison_unseen(pool, view, tables, past, new, window):
     """NaN in every slot of the rows' blocks that no query of its row may see, and in blocks no
     row holds."""
     bs = pool.block_size
-    seen = torch.zeros(pool.k.shape[1], bs, dtype=torch.bool)
+    seen = torch.zeros(pool.k[0].shape[0], bs, dtype=torch.bool)
     for tb, p, n in zip(tables, past, new):
         lo = 0 if window is None else max(0, p - window + 1)  # the earliest position any query sees
         for s in range(lo, p + n):
             seen[tb[s // bs], s % bs] = True
-    pool.k.masked_fill_(~seen[None, :, None, None, :], float("nan"))
-    pool.v.masked_fill_(~seen[None, :, None, :, None], float("nan"))
+    pool.k[0].masked_fill_(~seen[:, None, None, :], float("nan"))
+    pool.v[0].masked_fill_(~seen[:, None, :, None], float("nan"))
 
 
 @needs_kernel

@@ -136,13 +136,13 @@ def test_paged_view_reads_only_the_blocks_a_window_can_see(windowed):
     c = model.config
     pool = KVPool(c.num_hidden_layers, 16, 4, c.num_key_value_heads, c.head_dim)
     g = torch.Generator().manual_seed(0)
-    pool.k.normal_(generator=g)
-    pool.v.normal_(generator=g)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
     view = pool.view([list(range(10))], [36], [1], sliding_window=WINDOW)  # sees keys 29..36
     q = torch.randn(1, c.num_attention_heads, c.head_dim, generator=g)
-    k, v = pool.k[0, 9, :, :, 0], pool.v[0, 9, :, 0]  # the new token's own K/V (slot 36: block 9, offset 0)
+    k, v = pool.k[0][9, :, :, 0], pool.v[0][9, :, 0]  # the new token's own K/V (slot 36: block 9, offset 0)
     want = view.attend(0, q, k, v)
-    pool.k[0, :7], pool.v[0, :7] = float("nan"), float("nan")  # keys 0..27
+    pool.k[0][:7], pool.v[0][:7] = float("nan"), float("nan")  # keys 0..27
     got = view.attend(0, q, k, v)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want)

@@ -116,13 +116,36 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through `small_linear` or oneDNN where they are eligible (checked once: this
-    runs for every layer's product)."""
+    runs for every layer's product). Under torch.compile, float32 CPU inference is one opaque
+    op (`reclaim::cpu_linear`) that chooses at run time, so the graph does not depend on the
+    row count."""
+    if torch.compiler.is_compiling():
+        if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()
+                and (_ONEDNN or _load() is not None)):
+            return torch.ops.reclaim.cpu_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     if _cpu_inference(x, weight):
         if _few_rows(x):
             return small_linear(x, weight, bias)
         if _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("reclaim::cpu_linear", mutates_args=())
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear`'s float32 CPU inference as one op for compiled graphs: the few-row kernel,
+    oneDNN or F.linear by the row count at run time."""
+    if _few_rows(x):
+        return small_linear(x, weight, bias)
+    if _ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@cpu_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):

@@ -129,3 +129,25 @@ def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
         o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k, v, attn_mask=mask,
                                            enable_gqa=nkv != nh)
         out[a:b] = o[0].transpose(0, 1)
+
+
+@torch.library.custom_op("reclaim::paged_attention", mutates_args=("k_pool", "v_pool"))
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                       v_pool: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tables: torch.Tensor,
+                       q_start: torch.Tensor, q_end: torch.Tensor, past: torch.Tensor, q_pos: torch.Tensor,
+                       q_hi: torch.Tensor, tree: torch.Tensor | None, tree_row: torch.Tensor,
+                       window: int) -> torch.Tensor:
+    """One layer's paged attention as one op for compiled graphs: the new K/V ([N, Hkv, D])
+    written to their (block, offset) slots of the layer's pool, then `paged_attention` of every
+    query (each row of `tables` a paged row; window 0: none)."""
+    k_pool[blk, :, :, off] = k
+    v_pool[blk, :, off] = v
+    out = torch.empty_like(q)
+    rows = PagedRows(tables, q_start, q_end, past, q_pos, q_hi, tree, tree_row, window or None)
+    paged_attention(q, k_pool, v_pool, rows, out)
+    return out
+
+
+@paged_attention_op.register_fake
+def _(q, k, v, k_pool, v_pool, blk, off, tables, q_start, q_end, past, q_pos, q_hi, tree, tree_row, window):
+    return torch.empty_like(q)
