@@ -4,7 +4,17 @@
 2. Engine greedy output equals transformers' generate on CUDA (tiny random Llama, fp32; bf16 reported).
 3. GRPO's packed log-probs (each prompt once, its completions behind it under a mask) and their
    gradients equal separate rows' on CUDA (fp32; under bf16 autocast reported).
-Prints one JSON line per check; exits non-zero if a check fails.
+4. Sampling runs on CUDA (unseeded, seeded, top-k, top-p, min-p; the engine's CUDA generator):
+   seeded requests reproduce, and equal themselves with speculation on.
+5. Speculation (ngram, suffix, EAGLE chain, EAGLE tree, hybrid) gives plain greedy's output.
+6. Host reads per decode step: <= 1 greedy, <= 2 sampled (device-to-host copies counted).
+7. The compiled decode (torch.compile, CUDA graphs) gives eager's greedy output.
+8. `reclaim serve --device cuda`: health, a sampled and a greedy chat completion.
+9. `reclaim demo --device cuda` (inference, speculation, online learning, a GRPO step) exits 0.
+10. Timed decode of the bundled SmolLM2 in the device's default dtype, eager and compiled, at
+    batch 1 and 32 (tokens/s; informational).
+Prints one JSON line per check; exits non-zero if a check fails. A check that raises is
+reported failed with its error, and the others still run. `--quick` skips 8-10.
 
 Owed, needing two or more GPUs (the lent machine has one), run by hand:
 - GRPO `parallelism: fsdp` on NCCL equals one process: `torchrun --nproc_per_node 2
@@ -109,13 +119,206 @@ def check_packed_logps(dev: str, bf16: bool = False) -> dict:
             "max_abs_logp_diff": worst_logp, "max_rel_grad_err": worst}
 
 
+def _tiny(dev: str, dtype: torch.dtype = torch.float32):
+    from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024))
+    with torch.no_grad():  # sharper logits: greedy has clear winners
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    return model.to(dev, dtype).eval()
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, 512, (int(torch.randint(4, 40, (1,), generator=g)),), generator=g).tolist() * 2
+            for _ in range(n)]
+
+
+def check_sampling(dev: str) -> dict:
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+    from reclaim.engine.speculative import SpeculativeConfig
+
+    model = _tiny(dev)
+    kinds = {"plain": {}, "top_k": {"top_k": 20}, "top_p": {"top_p": 0.9}, "min_p": {"min_p": 0.05}}
+    out = {}
+    for name, kw in kinds.items():
+        for seed in (None, 7):
+            eng = Engine(model, None, num_blocks=128, block_size=16, max_model_len=512, device=dev)
+            params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=seed, **kw)
+            got = [o.token_ids for o in eng.generate(_prompts(4), params)]
+            out[f"{name}_seed{seed}"] = all(len(t) == 16 for t in got)
+            if seed is not None:
+                again = Engine(model, None, num_blocks=128, block_size=16, max_model_len=512, device=dev)
+                spec = Engine(model, None, num_blocks=128, block_size=16, max_model_len=512, device=dev,
+                              speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+                out[f"{name}_seeded_reproduces"] = got == [o.token_ids for o in again.generate(_prompts(4), params)]
+                out[f"{name}_seeded_same_with_speculation"] = got == [o.token_ids for o in
+                                                                      spec.generate(_prompts(4), params)]
+    return {"check": "sampling_cuda", "ok": all(out.values()), **out}
+
+
+def check_speculation(dev: str) -> dict:
+    from reclaim.engine.eagle import EagleProposer
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+    from reclaim.engine.speculative import SpeculativeConfig
+    from reclaim.models.drafter import new_drafter
+
+    model = _tiny(dev)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in Engine(model, None, num_blocks=256, block_size=16, max_model_len=512,
+                                         device=dev).generate(_prompts(4), params)]
+
+    def eagle(topk: int) -> EagleProposer:
+        torch.manual_seed(2)
+        drafter = new_drafter(model).to(dev)
+        return EagleProposer(drafter, model, depth=3, topk=topk)
+
+    out = {}
+    for name, spec, proposer in (
+            ("ngram", SpeculativeConfig(method="ngram", num_speculative_tokens=3), None),
+            ("suffix", SpeculativeConfig(method="suffix", num_speculative_tokens=6), None),
+            ("eagle_chain", SpeculativeConfig(method="eagle", model="unused", num_speculative_tokens=3), eagle(1)),
+            ("eagle_tree", SpeculativeConfig(method="eagle", model="unused", num_speculative_tokens=3,
+                                             eagle_topk=2, num_draft_tokens=6), eagle(2))):
+        eng = Engine(model, None, num_blocks=256, block_size=16, max_model_len=512, device=dev, speculative=spec,
+                     proposer=proposer)
+        got = [o.token_ids for o in eng.generate(_prompts(4), params)]
+        out[name] = {"same_as_plain": got == plain, "verifies": eng.stats()["spec_verifies"]}
+    return {"check": "speculation_greedy_equals_plain_cuda", "ok": all(v["same_as_plain"] for v in out.values()),
+            **out}
+
+
+def check_host_syncs(dev: str) -> dict:
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+    from test_host_syncs import _decode_syncs
+
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+
+    model = _tiny(dev)
+    out = {}
+    for name, temp, limit in (("greedy", 0, 1), ("sampled", 0.8, 2)):
+        eng = Engine(model, None, num_blocks=128, block_size=16, max_model_len=512, device=dev)
+        steps = _decode_syncs(eng, [SamplingParams(temperature=temp, top_p=0.9, max_tokens=40, ignore_eos=True)] * 4)
+        worst = max(len(s) for s in steps)
+        out[name] = {"max_reads_per_step": worst, "ok": worst <= limit, "seen": steps[-1]}
+    return {"check": "host_reads_per_decode_step", "ok": all(v["ok"] for v in out.values()), **out}
+
+
+def check_compile(dev: str) -> dict:
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+
+    model = _tiny(dev)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = {}
+    for n in (1, 3, 12):
+        want = [o.token_ids for o in Engine(model, None, num_blocks=256, block_size=16, max_model_len=512,
+                                            device=dev).generate(_prompts(n), params)]
+        eng = Engine(model, None, num_blocks=256, block_size=16, max_model_len=512, device=dev, compile=True)
+        got = [o.token_ids for o in eng.generate(_prompts(n), params)]
+        out[f"batch{n}"] = {"same_as_eager": got == want, "compile_failed": eng.runner._decode.failed}
+    return {"check": "compiled_decode_equals_eager", "ok": all(v["same_as_eager"] and not v["compile_failed"]
+                                                              for v in out.values()), **out}
+
+
+def check_server(dev: str) -> dict:
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "reclaim.cli", "serve", "--device", dev, "--port", str(port),
+                             "--max-model-len", "2048"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    return {"check": "serve_cuda", "ok": False, "log": proc.stdout.read()[-2000:]}
+                time.sleep(1)
+        out = {}
+        for name, body in (("sampled", {}), ("greedy", {"temperature": 0})):
+            req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps({
+                "model": "default", "max_tokens": 24, "messages": [{"role": "user", "content": "Name a color."}],
+                **body}).encode(), headers={"Content-Type": "application/json"})
+            reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+            out[name] = reply["choices"][0]["message"]["content"]
+        return {"check": "serve_cuda", "ok": all(out.values()), **out}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def check_demo(dev: str) -> dict:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "reclaim.cli", "demo", "--device", dev, "--max-tokens", "16",
+                           "--speculative-tokens", "32", "--online-rounds", "1", "--grpo-steps", "1", "--ssm-steps", "0"],
+                          capture_output=True, text=True, timeout=900)
+    return {"check": "demo_cuda", "ok": done.returncode == 0, "tail": (done.stdout + done.stderr)[-1500:]}
+
+
+def check_decode_speed(dev: str) -> dict:
+    import time
+
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+    from reclaim.models.loading import load_model
+
+    model, tok = load_model(None, device=dev, dtype="bfloat16" if dev == "cuda" else "float32")
+    out = {"dtype": str(next(model.parameters()).dtype)}
+    for compiled in (False, True):
+        eng = Engine(model, tok, max_num_seqs=32, max_model_len=1024, device=dev, compile=compiled)
+        for batch in (1, 32):
+            prompts = _prompts(batch)
+            params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+            eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up, compile
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            eng.generate(prompts, params)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            out[f"{'compiled' if compiled else 'eager'}_batch{batch}_tokens_per_s"] = 128 * batch / (time.perf_counter() - t)
+    return {"check": "decode_speed_smollm2", "ok": True, **out}
+
+
 def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    quick = "--quick" in sys.argv
     print(json.dumps({"torch": torch.__version__, "device": dev,
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}), flush=True)
-    results = [check_adjoint(dev), check_engine(dev, torch.float32), check_packed_logps(dev)]
-    for r in results:
-        print(json.dumps(r), flush=True)
+    checks = [lambda: check_adjoint(dev), lambda: check_engine(dev, torch.float32), lambda: check_packed_logps(dev),
+              lambda: check_sampling(dev), lambda: check_speculation(dev), lambda: check_host_syncs(dev),
+              lambda: check_compile(dev)]
+    if not quick:
+        checks += [lambda: check_server(dev), lambda: check_demo(dev), lambda: check_decode_speed(dev)]
+    results = []
+    for i, check in enumerate(checks, 1):
+        try:
+            r = check()
+        except Exception as e:  # noqa: BLE001 - report it, run the rest
+            import traceback
+
+            r = {"check": f"#{i}", "ok": False, "error": f"{type(e).__name__}: {e}",
+                 "where": traceback.format_exc()[-1500:]}
+        results.append(r)
+        print(json.dumps(r, default=str), flush=True)
     if dev == "cuda":  # bf16 kernels differ in accumulation order: informational, not a pass/fail
         print(json.dumps(check_engine(dev, torch.bfloat16)), flush=True)
         print(json.dumps(check_packed_logps(dev, bf16=True)), flush=True)

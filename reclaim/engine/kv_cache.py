@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from reclaim.engine.config import GIB
 from reclaim.models.cache import causal_mask, needs_mask
 from reclaim.models.kernels.paged import PagedRows, paged_attention
+from reclaim.models.kernels.paged import write as paged_write
 
 
 class BlockManager:
@@ -192,9 +193,7 @@ class KVPool:
 
     def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [N, Hkv, D] at N (block, offset) slots of `layer`."""
-        blk, off = where
-        self.k[layer][blk, :, :, off] = k
-        self.v[layer][blk, :, off] = v
+        paged_write(self.k[layer], self.v[layer], where, k, v)
 
     def move(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy the K/V of slots `src` to slots `dst` in every layer."""
@@ -341,10 +340,19 @@ class PagedView:
                 for i, row in enumerate(seen):
                     mask[starts[r] + i][: len(row)] = row
             tree = torch.tensor(mask, dtype=torch.uint8, device=device)
+        # What the torch path gathers, known here without reading the device: with a fixed table
+        # width (a captured graph) the same for every step.
+        if table_width is not None:
+            max_new, first_key, max_keys = max(new[r] for r in paged) if paged else 1, 0, width * bs
+        else:
+            max_new = max([new[r] for r in paged], default=1)
+            max_keys = max([hi[i] for r in paged for i in range(starts[r], starts[r + 1])], default=1)
+            first_key = 0 if w is None else max(0, min([pos[i] for r in paged for i in range(starts[r], starts[r + 1])],
+                                                       default=0) - w + 1)
         self.rows = PagedRows(
             tables=view["tables"].view(len(paged) + pad_rows, width), q_start=view["q_start"], q_end=view["q_end"],
             past=view["past"], q_pos=view["positions"], q_hi=view["hi"], tree=tree, tree_row=view["tree_row"],
-            window=w,
+            window=w, max_new=max_new, first_key=first_key, max_keys=max_keys,
         )
         self.input_ids = view["ids"][None]  # [1, N]: the token ids given, if any
         self.positions = view["positions"][None]  # [1, N]
@@ -375,7 +383,8 @@ class PagedView:
             r = self.rows
             return torch.ops.reclaim.paged_attention(q, k, v, self.pool.k[layer], self.pool.v[layer],
                                                      *self.slot_mapping, r.tables, r.q_start, r.q_end, r.past,
-                                                     r.q_pos, r.q_hi, r.tree, r.tree_row, r.window or 0)
+                                                     r.q_pos, r.q_hi, r.tree, r.tree_row, r.window or 0,
+                                                     r.max_new, r.first_key, r.max_keys)
         self.pool.write(layer, self.slot_mapping, k, v)
         out = torch.empty_like(q)
         w, gqa = self.sliding_window, k.shape[1] != q.shape[1]

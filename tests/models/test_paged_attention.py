@@ -1,13 +1,17 @@
-"""The paged attention kernel against its reference (per-row gather + SDPA), and the reference
-against plain causal attention: decode rows, chunks after a cached prefix, speculative trees,
-sliding windows, grouped-query heads; slots no query may see are never used (poisoned with NaN)."""
+"""Paged attention against a per-row reference written out here (each query's visible slots
+gathered, softmax over them): the C kernel and the batched torch path (the GPU path), over decode
+rows, chunks after a cached prefix, speculative trees, sliding windows, grouped-query heads and
+padding rows; slots no query may see are never used (poisoned with NaN); the reference itself
+against plain causal attention."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reclaim.engine.kv_cache import KVPool
-from reclaim.models.kernels.paged import kernel_eligible, kernel_status, paged_attention, paged_attention_torch
+from reclaim.models.kernels.paged import (PagedRows, kernel_eligible, kernel_status, paged_attention,
+                                          paged_attention_torch)
 
 needs_kernel = pytest.mark.skipif(kernel_status() != "on", reason=f"C kernel {kernel_status()}")
 
@@ -19,6 +23,24 @@ CASES = [  # past, new, window, trees
     ([33], [6], 5, [[-1, 0, 1, 0, 3, 3]]),
     ([0], [40], 16, None),
 ]
+
+
+def reference(q, k_pool, v_pool, rows: PagedRows, out) -> None:
+    """Query by query: the slots it sees (causal or tree, within the window), one softmax."""
+    bs = k_pool.shape[3]
+    g = q.shape[1] // k_pool.shape[1]
+    for r in range(rows.num_rows):
+        past = int(rows.past[r])
+        for i in range(int(rows.q_start[r]), int(rows.q_end[r])):
+            pos, hi = int(rows.q_pos[i]), int(rows.q_hi[i])
+            seen = [s for s in range(hi) if (rows.window is None or s > pos - rows.window)
+                    and (s < past or not int(rows.tree_row[r]) or bool(rows.tree[i, s - past]))]
+            blk = rows.tables[r].long()[torch.tensor(seen) // bs]
+            off = torch.tensor(seen) % bs
+            k, v = k_pool[blk, :, :, off], v_pool[blk, :, off]  # [S, Hkv, D]
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            w = torch.einsum("hd,shd->hs", q[i].double(), k.double()) / q.shape[-1] ** 0.5
+            out[i] = torch.einsum("hs,shd->hd", w.softmax(-1), v.double()).to(out.dtype)
 
 
 def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0):
@@ -51,19 +73,42 @@ def _poison_unseen(pool, view, tables, past, new, window):
     pool.v[0].masked_fill_(~seen[:, None, :, None], float("nan"))
 
 
-@needs_kernel
 @pytest.mark.parametrize("past,new,window,trees", CASES)
 @pytest.mark.parametrize("shape", [dict(), dict(nkv=2, nh=16, d=128, bs=32), dict(nkv=4, nh=4, d=16)])
-def test_kernel_equals_reference(past, new, window, trees, shape):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_paged_attention_equals_the_reference(past, new, window, trees, shape, path):
     pool, view, q, tables = _setup(past, new, window, trees, **shape)
-    assert kernel_eligible(q, pool.k[0])
+    if path == "kernel" and not kernel_eligible(q, pool.k[0]):
+        pytest.skip(f"C kernel {kernel_status()}")
     want = torch.zeros_like(q)
-    paged_attention_torch(q, pool.k[0], pool.v[0], view.rows, want)
+    reference(q, pool.k[0], pool.v[0], view.rows, want)
     _poison_unseen(pool, view, tables, past, new, window)
     got = torch.zeros_like(q)
-    paged_attention(q, pool.k[0], pool.v[0], view.rows, got)
+    (paged_attention if path == "kernel" else paged_attention_torch)(q, pool.k[0], pool.v[0], view.rows, got)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_torch_path_reads_nothing_on_the_host_and_skips_padding_rows():
+    """The GPU path: a padded batch (as a captured graph runs it) gives the same rows, and what
+    to gather comes from the view (host ints), not from reading the device."""
+    pool, _, q, tables = _setup([40, 7], [1, 1], None, None)
+    plain = pool.view(tables, [40, 7], [1, 1])
+    padded = pool.view(tables, [40, 7], [1, 1], pad_to=4, table_width=8)
+    assert padded.rows.num_rows == 4 and (padded.rows.max_new, padded.rows.max_keys) == (1, 8 * 16)
+    want, got = torch.zeros_like(q), torch.zeros(4, *q.shape[1:])
+    paged_attention_torch(q, pool.k[0], pool.v[0], plain.rows, want)
+    with _NoReads():
+        paged_attention_torch(torch.cat([q, torch.zeros(2, *q.shape[1:])]), pool.k[0], pool.v[0], padded.rows, got)
+    torch.testing.assert_close(got[:2], want, atol=2e-6, rtol=1e-5)
+
+
+class _NoReads(TorchDispatchMode):
+    """Fails on any op that reads a value back to the host."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func._schema.name.split("::")[-1] not in ("_local_scalar_dense", "nonzero"), func
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -78,7 +123,7 @@ def test_reference_equals_causal_attention_over_the_whole_sequence(window):
     mask = (s[None, :] <= s[20:, None]) & ((s[None, :] > s[20:, None] - window) if window else True)
     want = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1)
     got = torch.zeros_like(q)
-    paged_attention_torch(q, pool.k[0], pool.v[0], view.rows, got)
+    reference(q, pool.k[0], pool.v[0], view.rows, got)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 

@@ -299,3 +299,18 @@ void paged_attention(float *out, const float *q, const float *k, const float *v,
         }
     }
 }
+
+/* Store N new tokens' keys and values (k_new, v_new [N, nkv, D], contiguous) in their slots:
+   token t goes to block blk[t], offset off[t] of one layer's pool (k [blocks, nkv, D, bs]
+   transposed, v [blocks, nkv, bs, D]). */
+void paged_write(float *k, float *v, const float *k_new, const float *v_new, const int32_t *blk,
+                 const int32_t *off, long N, int nkv, int D, int bs) {
+    const long head = (long)bs * D, block = (long)nkv * head;
+    for (long t = 0; t < N; t++)
+        for (int h = 0; h < nkv; h++) {
+            const float *ks = k_new + (t * nkv + h) * D, *vs = v_new + (t * nkv + h) * D;
+            float *kd = k + blk[t] * block + h * head + off[t], *vd = v + blk[t] * block + h * head + (long)off[t] * D;
+            for (int d = 0; d < D; d++) kd[(long)d * bs] = ks[d];
+            memcpy(vd, vs, (size_t)D * sizeof(float));
+        }
+}
