@@ -15,9 +15,10 @@ EOS ignored, one thread each (vLLM's OpenMP threads bound to one core). Workload
 
 vLLM keeps its defaults otherwise (prefix caching on, as its users run it).
 
-Outputs are compared token for token. The JSON also holds this machine's physical limits for
-the work (measured float32 matmul rate and memory bandwidth) and the share of them each side
-reached. Writes engine-vllm.json and .png.
+Outputs are compared token for token. The JSON also holds each workload's physical limit on this
+machine (its FLOPs at the measured float32 matmul rate, or the weights and K/V it must read at
+the measured read rate, whichever takes longer) and the share of it each side reached. Writes
+engine-vllm.json and .png.
 """
 
 from __future__ import annotations
@@ -174,20 +175,23 @@ def limits(model_dir: Path) -> dict[str, float]:
     return rates
 
 
-def work(cfg: Any, prompts: list[int], outputs: list[int]) -> dict[str, float]:
+def work(cfg: Any, prompts: list[int], outputs: list[int], slots: int, alone: bool) -> dict[str, float]:
     """FLOPs and bytes of a workload on this model: every prompt and output token through the
-    layers (2 x parameters), each output token through the LM head, attention over the
-    context (scores and values), and the K/V each decode step reads."""
+    layers (2 x parameters), each output token through the LM head, attention over the context
+    (scores and values); the weights read once per forward (each decode step; at best `slots`
+    rows share one) and the K/V each decode token reads."""
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * cfg.head_dim
     per_layer = h * (cfg.num_attention_heads * cfg.head_dim) * 2 + 2 * h * kv + 3 * h * inter
+    weights = 4 * (per_layer * layers + h * cfg.vocab_size)  # float32, the head tied or not: read once
     flops = kv_bytes = 0.0
     for p, o in zip(prompts, outputs):
         flops += 2 * per_layer * layers * (p + o) + 2 * h * cfg.vocab_size * o
         ctx = p * p / 2 + o * (p + o / 2)  # query-key pairs over the prefill and the decode
         flops += 4 * ctx * cfg.num_attention_heads * cfg.head_dim * layers
         kv_bytes += o * (p + o / 2) * 2 * kv * 4 * layers
-    return {"flops": flops, "kv_read_bytes": kv_bytes}
+    forwards = sum(outputs) if alone else sum(outputs) / slots
+    return {"flops": flops, "kv_read_bytes": kv_bytes, "weight_read_bytes": forwards * weights}
 
 
 def measure(spec: VllmBenchSpec) -> dict[str, Any]:
@@ -211,14 +215,16 @@ def measure(spec: VllmBenchSpec) -> dict[str, Any]:
         a, b = ours[w["name"]], theirs["workloads"][w["name"]]
         n = sum(w["max_tokens"])
         same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
-        cost = work(cfg, [len(p) for p in w["prompts"]], w["max_tokens"])
-        floor = cost["flops"] / (rates["matmul_gflops_512_rows"] * 1e9)
+        cost = work(cfg, [len(p) for p in w["prompts"]], w["max_tokens"], spec.slots, w["alone"])
+        # The work at this machine's best matmul rate, or its bytes at its read rate, whichever is longer.
+        floor = max(cost["flops"] / (rates["matmul_gflops_512_rows"] * 1e9),
+                    (cost["weight_read_bytes"] + cost["kv_read_bytes"]) / (rates["read_gb_per_s"] * 1e9))
         rows.append({"workload": w["name"], "requests": len(w["prompts"]), "output_tokens": n,
                      "prompt_tokens": sum(len(p) for p in w["prompts"]),
                      "reclaim": {"seconds": a["seconds"], "tokens_per_s": n / a["seconds"]},
                      "vllm": {"seconds": b["seconds"], "tokens_per_s": n / b["seconds"]},
                      "ratio": b["seconds"] / a["seconds"], "identical_outputs": f"{same}/{len(w['prompts'])}",
-                     "limit": {**cost, "seconds_at_matmul_rate": floor, "tokens_per_s": n / floor,
+                     "limit": {**cost, "seconds_at_machine_rates": floor, "tokens_per_s": n / floor,
                                "reclaim_share": floor / a["seconds"], "vllm_share": floor / b["seconds"]}})
         print(f"{w['name']:>9}: reclaim {n / a['seconds']:6.1f} tok/s, vLLM {n / b['seconds']:6.1f} tok/s, "
               f"{rows[-1]['ratio']:.2f}x, identical {same}/{len(w['prompts'])}", flush=True)
