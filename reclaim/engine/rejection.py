@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.sampling import (NO_FINITE_LOGIT, Deferred, Keyed, clean, draw, keyed_uniform, process_logits,
+from reclaim.engine.sampling import (NO_FINITE_LOGIT, Deferred, Keyed, clean, draw, keyed_uniform, mask_logits, penalize,
                                      probs, sample_tensor, sanitize, uniforms)
 from reclaim.engine.speculative import Draft
 
@@ -163,9 +163,12 @@ def processed_chain(logits: torch.Tensor, draft: Draft, params: SamplingParams, 
     ends before a token its position's processing forbids or one that completes the grammar
     (the commit path stops the request there)."""
     rows, advanced, n = [], 0, len(draft.tokens)
+    seen = [output + draft.tokens[:j] for j in range(n + 1)]
+    penalized = penalize(logits[: n + 1], [params] * (n + 1), [prompt] * (n + 1), seen, [stop] * (n + 1)) \
+        if params.penalizes else logits[: n + 1].float()
     try:
         for j in range(len(draft.tokens) + 1):
-            rows.append(process_logits(logits[j], params, prompt, output + draft.tokens[:j], stop))
+            rows.append(mask_logits(penalized[j].clone(), params, seen[j]) if params.masks else penalized[j])
             if j == len(draft.tokens):
                 break
             d = draft.tokens[j]

@@ -113,12 +113,21 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def penalizes(self) -> bool:
+        """Whether logit_bias, a penalty or min_tokens changes the logits (applied over the batch)."""
+        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def masks(self) -> bool:
+        """Whether allowed_token_ids, bad_words or a constraint masks tokens (applied per row)."""
+        return bool(self.constraint is not None or self.allowed_token_ids is not None or self.bad_words_token_ids)
+
+    @property
     def processes_logits(self) -> bool:
         """Whether anything changes the logits before the filters (such rows are not speculated:
         their distribution depends on the tokens before them in a draft)."""
-        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.constraint is not None
-                    or self.allowed_token_ids is not None or self.bad_words_token_ids)
+        return self.penalizes or self.masks
 
 
 @dataclass

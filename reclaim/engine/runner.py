@@ -27,7 +27,7 @@ from reclaim.engine.kv_cache import BlockManager, KVPool
 from reclaim.engine.output import RequestState
 from reclaim.engine.rejection import processed_chain, verify_batch
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.sampling import Keyed, process_logits, read, sample_deferred, token_logprobs
+from reclaim.engine.sampling import Keyed, mask_logits, penalize, read, sample_deferred, token_logprobs
 from reclaim.engine.scheduler import ScheduledChunk
 from reclaim.engine.speculative import Draft
 from reclaim.models.kernels.linear import linear, torch_kernels
@@ -200,13 +200,19 @@ class ModelRunner:
         reqs = [self.requests[c.request_id] for c in chunks]
         chosen: dict[int, list[int] | Exception] = {}
         plain, plain_x, drafted, checked = [], [], [], {}
+        pending = {j: k for k, j in enumerate(j for j, c in enumerate(chunks) if c.request_id not in drafts)}
+        penalized = self._penalized(torch.stack([per_row[j][0] for j in pending]), [reqs[j] for j in pending]) \
+            if pending else None
         for j, c in enumerate(chunks):
             try:  # its logits processors and constraint: a failure fails it alone
                 if c.request_id in drafts:
                     checked[j] = self._processed_draft(reqs[j], per_row[j], drafts[c.request_id])
                     drafted.append(j)
                 else:
-                    plain_x.append(self._processed(reqs[j], per_row[j][0]))
+                    x_j = penalized[pending[j]]
+                    params = reqs[j].seq.params
+                    plain_x.append(mask_logits(x_j.clone(), params, reqs[j].seq.output_token_ids)
+                                   if params.masks else x_j)
                     plain.append(j)
             except Exception as exc:  # noqa: BLE001
                 chosen[j] = exc
@@ -245,13 +251,17 @@ class ModelRunner:
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
-    def _processed(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
-        """A row's logits after its logits processors and constraint (as is when it has none)."""
-        p, seq = req.seq.params, req.seq
-        if not p.processes_logits:
+    def _penalized(self, logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
+        """Rows' logits [B, V] after the logit_bias, penalties and min_tokens of those that ask,
+        together (as is when none does)."""
+        ask = [i for i, r in enumerate(reqs) if r.seq.params.penalizes]
+        if not ask:
             return logits
-        return process_logits(logits, p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids,
-                              self._stop_ids(p))
+        seqs = [reqs[i].seq for i in ask]
+        x = logits.clone()
+        x[ask] = penalize(logits[ask], [s.params for s in seqs], [s.token_ids[: s.num_prompt_tokens] for s in seqs],
+                          [s.output_token_ids for s in seqs], [self._stop_ids(s.params) for s in seqs])
+        return x
 
     def _processed_draft(self, req: RequestState, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
         """A drafted row's verify logits processed position by position, and its draft cut where

@@ -42,28 +42,60 @@ def sanitize(logits: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-                   stop_ids: set[int]) -> torch.Tensor:
-    """One row's logits [V] after logit_bias, repetition, presence and frequency penalties,
-    min_tokens (stop_ids masked), allowed_token_ids, bad_words_token_ids and the constraint's
-    mask; a new tensor, logits untouched. Raises ValueError when a token id is outside [0, V) or
-    the masks together leave no token."""
+def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+             outputs: list[list[int]], stops: list[set[int]]) -> torch.Tensor:
+    """Rows' logits [B, V] after logit_bias, repetition, presence and frequency penalties and
+    min_tokens (stop ids masked), in that order; a new float32 tensor, logits untouched.
+
+    Tensor ops over the batch: each kind's (row, token) pairs are listed on the host and copied
+    to the device in one tensor, so a step's ops do not grow with the rows that ask. Token ids
+    outside [0, V) are skipped (logit_bias keys are checked when the request is made)."""
     x = logits.float().clone()
     v = x.shape[-1]
-    if params.logit_bias:
-        ids = [t for t in params.logit_bias if t < v]
-        x[ids] += torch.tensor([float(params.logit_bias[t]) for t in ids], device=x.device)
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), device=x.device, dtype=torch.long)
-        if seen.numel():
-            vals = x[seen]
-            x[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and output:
-        counts = torch.bincount(torch.tensor(output, device=x.device), minlength=v)[:v].to(x.dtype)
-        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype)
-    if len(output) < params.min_tokens:
-        ids = [t for t in stop_ids if t < v]
-        x[ids] = float("-inf")
+    bias: list[tuple[int, int, float]] = []  # (row, token, bias)
+    rep: list[tuple[int, int, float]] = []  # (row, token, repetition_penalty)
+    pen: list[tuple[int, int, int, float, float]] = []  # (row, token, count, frequency, presence)
+    ban: list[tuple[int, int]] = []  # (row, stop token) while min_tokens is not reached
+    for i, (p, prompt, output, stop) in enumerate(zip(params, prompts, outputs, stops)):
+        if p.logit_bias:
+            bias += [(i, t, float(b)) for t, b in p.logit_bias.items() if 0 <= t < v]
+        if p.repetition_penalty != 1.0:
+            rep += [(i, t, p.repetition_penalty) for t in sorted(set(prompt) | set(output)) if 0 <= t < v]
+        if (p.presence_penalty or p.frequency_penalty) and output:
+            counts: dict[int, int] = {}
+            for t in output:
+                counts[t] = counts.get(t, 0) + 1
+            pen += [(i, t, c, p.frequency_penalty, p.presence_penalty) for t, c in counts.items() if 0 <= t < v]
+        if len(output) < p.min_tokens:
+            ban += [(i, t) for t in sorted(stop) if 0 <= t < v]
+    if bias:
+        at, b = _pairs(bias, x.device)
+        x.index_put_(at, b[0], accumulate=True)
+    if rep:
+        at, r = _pairs(rep, x.device)
+        vals = x[at]
+        x[at] = torch.where(vals > 0, vals / r[0], vals * r[0])
+    if pen:  # as OpenAI's rule over the whole row: frequency * count + presence * (count > 0)
+        at, c = _pairs(pen, x.device)
+        x.index_put_(at, -(c[1] * c[0] + c[2]), accumulate=True)
+    if ban:
+        x[_pairs(ban, x.device)[0]] = float("-inf")
+    return x
+
+
+def _pairs(items: list[tuple], device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(rows, tokens) index tensors and the float32 columns after them [k, n] (k may be 0), from
+    host tuples (row, token, *values): one copy each to the device."""
+    idx = torch.tensor([it[:2] for it in items], dtype=torch.long).T.to(device)
+    vals = torch.tensor([it[2:] for it in items], dtype=torch.float32).T
+    return (idx[0], idx[1]), vals.to(device) if vals.numel() else vals
+
+
+def mask_logits(x: torch.Tensor, params: SamplingParams, output: list[int]) -> torch.Tensor:
+    """One row's logits [V] (float32, owned by the caller: may be written in place) after
+    allowed_token_ids, bad_words_token_ids and the constraint's mask. Raises ValueError when a
+    token id is outside [0, V) or the masks together leave no token."""
+    v = x.shape[-1]
     if params.allowed_token_ids is not None:
         ids = torch.tensor(params.allowed_token_ids, device=x.device, dtype=torch.long)
         if ids.numel() and int(ids.max()) >= v:

@@ -1,5 +1,6 @@
 """A decode step reads the device on the host at most once greedy and twice sampled (vLLM v1's
-budget): no per-row `.item()` in the sampler, the verifier or the attention.
+budget): no per-row `.item()` in the sampler, the verifier or the attention; and a step runs as
+many ops for 8 rows as for 4.
 
 What is counted: ops whose result the host must wait for (`_local_scalar_dense`: item(), bool(),
 int(); `nonzero` and the ops built on it; copies to the CPU from another device), seen by a
@@ -106,3 +107,39 @@ def test_a_speculative_verify_step_syncs_within_the_budget(tiny, temperature):
     assert engine.stats()["spec_verifies"] > 0
     for seen in steps:
         assert len(seen) <= (1 if temperature == 0 else 2), seen
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that compute (views excluded: they launch nothing on a device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+PENALTIES = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.2),
+             dict(logit_bias={5: 1.0, 9: -2.0}), dict(min_tokens=30)]
+
+
+@pytest.mark.parametrize("penalized", [False, True])
+def test_a_step_runs_the_same_ops_for_twice_the_rows(tiny, penalized):
+    """Sampling, seeds, logit_bias, penalties and min_tokens are tensor ops over the batch: a
+    decode step of 8 sampled rows runs as many ops as one of 4 (each kind of penalty twice as
+    often)."""
+    ops = {}
+    for n in (4, 8):
+        engine = Engine(tiny[0], num_blocks=64, block_size=16, max_num_seqs=8)
+        for i in range(n):
+            kw = PENALTIES[i % len(PENALTIES)] if penalized else {}
+            engine.add_request(f"r{i}", [3 + i, 5, 7, 11], SamplingParams(temperature=0.8, max_tokens=40,
+                                                                       ignore_eos=True, seed=i, **kw))
+        for _ in range(3):
+            engine.step()
+        with OpCounter() as c:
+            engine.step()
+        ops[n] = c.ops
+    assert ops[8] == ops[4], ops

@@ -231,3 +231,40 @@ def test_token_restrictions_out_of_vocabulary_fail_the_request_alone(tiny):
     for kw in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"bad_words_token_ids": [[]]}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
+
+
+def test_penalties_over_a_batch_equal_their_formulas_row_by_row():
+    """`penalize` over rows with different settings: each row as its formulas written out (bias
+    added, repetition divides positive and multiplies negative logits of seen tokens, OpenAI's
+    frequency * count + presence, stop ids masked before min_tokens), as that row alone, and no
+    setting leaks into another row."""
+    from reclaim.engine.sampling import penalize
+
+    torch.manual_seed(0)
+    v = 50
+    logits = torch.randn(5, v) * 3
+    rows = [(SamplingParams(logit_bias={3: 2.5, 49: -100.0, 60: 1.0}), [1, 2], [3, 3, 4]),
+            (SamplingParams(repetition_penalty=1.7), [1, 2, 7], [7, 9]),
+            (SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1], [4, 4, 4, 8]),
+            (SamplingParams(), [1, 2], [5]),
+            (SamplingParams(min_tokens=3, logit_bias={2: 1.0}, repetition_penalty=0.8), [2], [6])]
+    params, prompts, outputs = ([r[i] for r in rows] for i in range(3))
+    stops = [{0, 11}] * len(rows)
+    got = penalize(logits, params, prompts, outputs, stops)
+
+    want = logits.clone()
+    want[0, 3] += 2.5
+    want[0, 49] -= 100.0
+    for t in (1, 2, 7, 9):
+        want[1, t] = want[1, t] / 1.7 if want[1, t] > 0 else want[1, t] * 1.7
+    want[2, 4] -= 3 * 0.25 + 0.5
+    want[2, 8] -= 0.25 + 0.5
+    want[4, 2] += 1.0
+    for t in (2, 6):
+        want[4, t] = want[4, t] / 0.8 if want[4, t] > 0 else want[4, t] * 0.8
+    want[4, [0, 11]] = float("-inf")
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[3], logits[3]) and torch.equal(logits, logits.clone())
+    for i in range(len(rows)):
+        alone = penalize(logits[i: i + 1], params[i: i + 1], prompts[i: i + 1], outputs[i: i + 1], stops[i: i + 1])
+        assert torch.equal(alone[0], got[i])
