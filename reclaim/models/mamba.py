@@ -31,7 +31,8 @@ HF_EMBED, SSM_EMBED = "backbone.embeddings.weight", "backbone.embedding.weight"
 
 
 class LayerState(NamedTuple):
-    """Recurrent state of one layer: SSM state h [B, D, N] and conv tail [B, D, K-1]."""
+    """Recurrent state of one layer: SSM state h (Mamba-1 [B, D, N], Mamba-2 [B, heads, head_dim, N])
+    and the conv tail [B, conv channels, K-1]."""
 
     h: torch.Tensor
     conv: torch.Tensor
@@ -166,6 +167,22 @@ def mamba_ssm_to_hf_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {HF_EMBED if k == SSM_EMBED else k: v for k, v in state.items()}
 
 
+def causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv of x [B, T, D] after the tail conv0 [B, D, K-1]: (out, new tail)."""
+    t, kernel = x.shape[1], conv1d.kernel_size[0]
+    xc = torch.cat([conv0.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+T, D]
+    # A copy, not a view: a view would keep this whole chunk's input alive with the state.
+    conv1 = xc[:, xc.shape[1] - (kernel - 1) :].transpose(1, 2).clone()
+    # K shifted multiply-adds: far faster on CPU than grouped conv1d.
+    w = conv1d.weight[:, 0]  # [D, K]
+    out = xc[:, :t] * w[:, 0]
+    for k in range(1, kernel):
+        out = torch.addcmul(out, xc[:, k : k + t], w[:, k])
+    if conv1d.bias is not None:
+        out = out + conv1d.bias
+    return out, conv1
+
+
 class MambaMixer(nn.Module):
     """The selective-SSM mixer of one layer (HF MambaMixer parameters)."""
 
@@ -209,18 +226,8 @@ class MambaMixer(nn.Module):
 
         scan: the kernel, called as scan(x, dt, A, B, C, h0) -> (y, h1).
         """
-        t = u.shape[1]
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        xc = torch.cat([conv0.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+T, D]
-        # A copy, not a view: a view would keep this whole chunk's input alive with the state.
-        conv1 = xc[:, xc.shape[1] - (self.kernel - 1) :].transpose(1, 2).clone()
-        # Causal depthwise conv as K shifted multiply-adds: far faster on CPU than grouped conv1d.
-        w = self.conv1d.weight[:, 0]  # [D, K]
-        x = xc[:, :t] * w[:, 0]
-        for k in range(1, self.kernel):
-            x = torch.addcmul(x, xc[:, k : k + t], w[:, k])
-        if self.conv1d.bias is not None:
-            x = x + self.conv1d.bias
+        x, conv1 = causal_conv(self.conv1d, x, conv0)
         x = F.silu(x)
         dt, B, C = self.x_proj(x).split([self.dt_proj.in_features, self.n_state, self.n_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt).to(torch.promote_types(x.dtype, torch.float32)))
@@ -263,34 +270,12 @@ class MambaOutput(NamedTuple):
     states: list[LayerState]  # per layer, after the last token
 
 
-class MambaForCausalLM(nn.Module):
-    """Mamba-1 causal LM with HF parameter names (backbone.*, lm_head)."""
+class RecurrentLM(nn.Module):
+    """What every SSM LM here shares: a `backbone` (embeddings, layers with `forward_chunk` and a
+    mixer with `zero_state`, norm_f) and an `lm_head`; the state is passed in and handed back."""
 
-    def __init__(self, cfg: MambaConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.backbone = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._init_like_hf(cfg)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-
-    @torch.no_grad()
-    def _init_like_hf(self, cfg: MambaConfig) -> None:
-        # transformers' init: N(0, initializer_range) embeddings and in/x projections, zero biases;
-        # out_proj and conv keep PyTorch's kaiming init, dt_proj Mamba's (see MambaMixer).
-        std = cfg.initializer_range
-        nn.init.normal_(self.backbone.embeddings.weight, std=std)
-        nn.init.normal_(self.lm_head.weight, std=std)
-        for layer in self.backbone.layers:
-            mixer = layer.mixer
-            for lin in (mixer.in_proj, mixer.x_proj):
-                nn.init.normal_(lin.weight, std=std)
-            for bias in (mixer.in_proj.bias, mixer.out_proj.bias, mixer.conv1d.bias):
-                if bias is not None:
-                    bias.zero_()
-            if cfg.rescale_prenorm_residual:
-                mixer.out_proj.weight /= math.sqrt(cfg.num_hidden_layers)
+    backbone: nn.Module
+    lm_head: nn.Linear
 
     def zero_states(self, batch: int) -> list[LayerState]:
         """Fresh per-layer states for `batch` sequences."""
@@ -336,6 +321,36 @@ class MambaForCausalLM(nn.Module):
             if i + 1 < max_new_tokens:
                 out = self(nxt, out.states)
         return torch.cat(ids, 1)
+
+
+class MambaForCausalLM(RecurrentLM):
+    """Mamba-1 causal LM with HF parameter names (backbone.*, lm_head)."""
+
+    def __init__(self, cfg: MambaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backbone = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._init_like_hf(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @torch.no_grad()
+    def _init_like_hf(self, cfg: MambaConfig) -> None:
+        # transformers' init: N(0, initializer_range) embeddings and in/x projections, zero biases;
+        # out_proj and conv keep PyTorch's kaiming init, dt_proj Mamba's (see MambaMixer).
+        std = cfg.initializer_range
+        nn.init.normal_(self.backbone.embeddings.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for layer in self.backbone.layers:
+            mixer = layer.mixer
+            for lin in (mixer.in_proj, mixer.x_proj):
+                nn.init.normal_(lin.weight, std=std)
+            for bias in (mixer.in_proj.bias, mixer.out_proj.bias, mixer.conv1d.bias):
+                if bias is not None:
+                    bias.zero_()
+            if cfg.rescale_prenorm_residual:
+                mixer.out_proj.weight /= math.sqrt(cfg.num_hidden_layers)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
