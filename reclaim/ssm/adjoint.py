@@ -1,4 +1,4 @@
-"""Exact adjoint training of a Mamba LM in O(chunk) activation memory.
+"""Exact adjoint training of a Mamba-1 or Mamba-2 LM in O(chunk) activation memory.
 
 Pass 1 runs the sequence chunk by chunk without autograd and keeps only each layer's state
 (h, conv tail) at every chunk start. Pass 2 walks the chunks in reverse: it re-runs the chunk with
@@ -18,6 +18,12 @@ Truncated mode (`window=W`) replaces each layer's state adjoint, for its paramet
 gradients, by mu_W(i) = mu(i) - (prod_{j=i+1}^{i+W} Abar_j) mu(i+W) (see window.Window): each
 output reaches back through at most W state transitions per layer. The conv (K-1 tokens), the
 skip D, the C-path and the carried exact mu are untouched; W >= T is exact.
+
+Families: a layer's state and scan come from its model family (`KERNELS`). A Mamba-2 layer
+carries h [heads, head_dim, state] and its conv tail across chunks; inside a chunk its SSD runs in
+the chunked form (quadratic inside SSD blocks, the state carried between them) and autograd
+through it is exact; the truncated mode runs the SSD's hand-written backward, whose per-head state
+adjoint the same Window truncates.
 """
 
 from __future__ import annotations
@@ -26,10 +32,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reclaim.models.mamba import LayerState
+from reclaim.models.kernels.scan import ScanFn, selective_scan
+from reclaim.models.mamba import LayerState, MambaBlock
+from reclaim.models.mamba2 import Mamba2Block
+from reclaim.models.ssd import ssd_scan
 from reclaim.ssm.window import Window, scan_for
 
 RECOMPUTE = ("chunk", "layer")  # what pass 2 holds an autograd graph for: see adjoint_loss_backward
+
+
+# Layer family -> its scan kernel (each takes an `adjoint=` hook for the truncated mode).
+KERNELS: dict[type, ScanFn] = {MambaBlock: selective_scan, Mamba2Block: ssd_scan}
+
+
+def layer_kernel(layer: nn.Module) -> ScanFn:
+    """The scan kernel of a layer's family: Mamba-1's selective scan or Mamba-2's SSD."""
+    kernel = KERNELS.get(type(layer))
+    if kernel is None:
+        supported = [t.__name__ for t in KERNELS]
+        raise ValueError(f"no adjoint for layer type {type(layer).__name__}; supported: {supported}")
+    return kernel
+
+
+def layer_scan(layer: nn.Module, window: Window | None) -> ScanFn:
+    """The scan `layer` runs in a backward: its family's kernel, truncated if `window`."""
+    return scan_for(window, layer_kernel(layer))
+
+
+def check_family(model: nn.Module, chunk: int, window: int | None) -> None:
+    """Refuse a model whose layers have no adjoint here, and a Mamba-2 window shorter than a chunk
+    (the issue's contract for Mamba-2 and its hybrids; Mamba-1 keeps accepting any window)."""
+    layers = list(model.backbone.layers)
+    for layer in layers:
+        layer_kernel(layer)
+    if window is not None and window < chunk and any(isinstance(x, Mamba2Block) for x in layers):
+        raise ValueError(f"window ({window}) must be >= chunk ({chunk}) for Mamba-2 layers")
 
 
 def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -78,7 +115,7 @@ def cell_backward(
     x = x.detach().requires_grad_()
     h0, conv0 = (s.detach().requires_grad_() for s in state)
     with torch.enable_grad():
-        y, h1, conv1 = layer.forward_chunk(x, h0, conv0, scan=scan_for(window))
+        y, h1, conv1 = layer.forward_chunk(x, h0, conv0, scan=layer_scan(layer, window))
         outs, grads = [y], [dy]
         if dstate is not None:
             outs += [h1, conv1]
@@ -174,7 +211,7 @@ def chunk_backward(
     with torch.enable_grad():
         x = model.backbone.embeddings(ids)
         for layer, st, carry, window in zip(model.backbone.layers, leaves, carries, windows):
-            x, h1, conv1 = layer.forward_chunk(x, st.h, st.conv, scan=scan_for(window))
+            x, h1, conv1 = layer.forward_chunk(x, st.h, st.conv, scan=layer_scan(layer, window))
             if carry is not None:
                 ends += [h1, conv1]
                 end_grads += [carry.h, carry.conv]
@@ -211,6 +248,9 @@ def adjoint_loss_backward(
         raise ValueError(f"window must be >= 1 or None, got {window}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    check_family(model, chunk, window)
     device = input_ids.device
     if offload is None:
         offload = device.type == "cuda"

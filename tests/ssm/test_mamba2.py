@@ -55,6 +55,19 @@ def test_logits_match_transformers_float64(kw):
     assert rel(got, ref) <= 1e-6
 
 
+def test_gradients_match_transformers_autograd():
+    """transformers' torch path computes the SSD and norms in float32 even for float64 weights."""
+    hf, ours = _pair(CONFIGS[1])
+    ids = torch.randint(0, 53, (2, 23))
+    hf.train()
+    hf(ids, labels=ids).loss.backward()
+    logits = ours(ids).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    ref = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert rel(p.grad, ref[name].grad) <= 1e-5, name
+
+
 def test_parameter_names_are_transformers():
     hf, ours = _pair(CONFIGS[0])
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
