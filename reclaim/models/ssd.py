@@ -20,17 +20,23 @@ import torch
 
 from reclaim.models.kernels.scan import AdjointHook, linear_scan
 
-# Elements (batch x block x heads x head_dim x state) of one block of the hand-written backward,
-# and the longest block of the chunked forward (its quadratic part grows with the block squared).
-BLOCK_ELEMENTS = 1 << 19
+# The chunked forward's block: its quadratic part grows with the block squared, its Python loop
+# with the number of blocks. The hand-written backward materialises h and mu for a whole block,
+# so its block is cut to about this many elements (batch x block x heads x head_dim x state).
 CPU_MAX_BLOCK, GPU_MAX_BLOCK = 64, 256
+BLOCK_ELEMENTS, GPU_BLOCK_ELEMENTS = 1 << 19, 1 << 25
+MIN_BACKWARD_BLOCK = 16
 
 
-def _block_len(x: torch.Tensor, n_state: int) -> int:
-    """Tokens per block: small enough for a bounded backward block and a cheap quadratic part."""
+def _block_len(x: torch.Tensor, n_state: int, hand_written: bool = False) -> int:
+    """Tokens per block of the forward, or of the hand-written backward (bounded memory)."""
+    cpu = x.device.type == "cpu"
+    cap = CPU_MAX_BLOCK if cpu else GPU_MAX_BLOCK
+    if not hand_written:
+        return cap
     bs, _, heads, head_dim = x.shape
-    cap = CPU_MAX_BLOCK if x.device.type == "cpu" else GPU_MAX_BLOCK
-    return max(1, min(cap, BLOCK_ELEMENTS // max(1, bs * heads * head_dim * n_state)))
+    budget = BLOCK_ELEMENTS if cpu else GPU_BLOCK_ELEMENTS
+    return max(MIN_BACKWARD_BLOCK, min(cap, budget // max(1, bs * heads * head_dim * n_state)))
 
 
 def _segsum(la: torch.Tensor) -> torch.Tensor:
@@ -100,7 +106,7 @@ class SSDScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, h0, adjoint):
-        blk = _block_len(x, B.shape[-1])
+        blk = _block_len(x, B.shape[-1], hand_written=True)
         y, states = _ssd_forward(x, dt, A, B, C, h0, blk)
         ctx.save_for_backward(x, dt, A, B, C, *states)
         ctx.blk, ctx.adjoint = blk, adjoint

@@ -75,6 +75,7 @@ def test_truncated_with_window_covering_the_sequence_is_exact():
 
 def test_truncated_window_changes_gradients_and_is_chunk_invariant(monkeypatch):
     monkeypatch.setattr(ssd, "CPU_MAX_BLOCK", 4)
+    monkeypatch.setattr(ssd, "MIN_BACKWARD_BLOCK", 4)
     model = make_model(2)
     ids = torch.randint(0, 41, (2, 21))
     _, ref = autograd_grads(model, ids)
@@ -112,6 +113,7 @@ def truncated_oracle(ins, gy, w):
 
 @pytest.mark.parametrize("w", [1, 3, 7])
 def test_truncated_ssd_equals_windowed_backprop(w, monkeypatch):
+    monkeypatch.setattr(ssd, "MIN_BACKWARD_BLOCK", 4)
     monkeypatch.setattr(ssd, "BLOCK_ELEMENTS", 2 * 4 * 3 * 5 * 4)  # 4-token backward blocks
     ins = scan_inputs(19)
     y, _ = scan_for(Window(w), ssd_scan)(*ins)
@@ -122,6 +124,7 @@ def test_truncated_ssd_equals_windowed_backprop(w, monkeypatch):
 
 
 def test_hand_written_backward_under_a_covering_window_is_autograd(monkeypatch):
+    monkeypatch.setattr(ssd, "MIN_BACKWARD_BLOCK", 4)
     monkeypatch.setattr(ssd, "BLOCK_ELEMENTS", 2 * 4 * 3 * 5 * 4)
     ins = scan_inputs(15)
     y, h = scan_for(Window(15), ssd_scan)(*ins)
