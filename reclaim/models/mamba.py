@@ -267,17 +267,20 @@ class Backbone(nn.Module):
 
 class MambaOutput(NamedTuple):
     logits: torch.Tensor | None  # [B, T, V], float32 at least
-    states: list[LayerState]  # per layer, after the last token
+    states: list  # per layer (a LayerState for Mamba layers), after the last token
 
 
 class RecurrentLM(nn.Module):
     """What every SSM LM here shares: a `backbone` (embeddings, layers with `forward_chunk` and a
-    mixer with `zero_state`, norm_f) and an `lm_head`; the state is passed in and handed back."""
+    mixer with `zero_state`, norm_f) and an `lm_head`; the state is passed in and handed back.
+
+    A layer's state is a NamedTuple of tensors (Mamba: h and the conv tail; attention: the keys and
+    values so far; an MLP: none): forward_chunk(r, *state) returns (r, *state after)."""
 
     backbone: nn.Module
     lm_head: nn.Linear
 
-    def zero_states(self, batch: int) -> list[LayerState]:
+    def zero_states(self, batch: int) -> list[tuple]:
         """Fresh per-layer states for `batch` sequences."""
         like = self.backbone.embeddings.weight
         return [layer.mixer.zero_state(batch, like) for layer in self.backbone.layers]
@@ -285,7 +288,7 @@ class RecurrentLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        states: list[LayerState] | None = None,
+        states: list[tuple] | None = None,
         *,
         compute_logits: bool = True,
     ) -> MambaOutput:
@@ -296,9 +299,9 @@ class RecurrentLM(nn.Module):
             raise ValueError(f"got {len(states)} layer states for {len(self.backbone.layers)} layers")
         r = self.backbone.embeddings(input_ids)
         new = []
-        for layer, (h, conv) in zip(self.backbone.layers, states):
-            r, h, conv = layer.forward_chunk(r, h, conv)
-            new.append(LayerState(h, conv))
+        for layer, state in zip(self.backbone.layers, states):
+            r, *after = layer.forward_chunk(r, *state)
+            new.append(state._make(after))
         logits = None
         if compute_logits:
             hidden = self.backbone.norm_f(r)

@@ -82,10 +82,13 @@ class Mamba2Config:
     def intermediate_size(self) -> int:
         return int(self.expand * self.hidden_size)
 
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal conv: x, then B and C of every group."""
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
+    def layer_shape(self) -> "SSDLayerShape":
+        """The fields a mixer is built from."""
+        return SSDLayerShape(
+            self.hidden_size, self.num_heads, self.head_dim, self.state_size, self.n_groups,
+            self.conv_kernel, self.use_bias, self.use_conv_bias, self.layer_norm_epsilon,
+            self.time_step_limit, self.time_step_min, self.time_step_max, self.time_step_floor,
+        )
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Mamba2Config":
@@ -107,12 +110,40 @@ class Mamba2Config:
         return {**extra, **d, "model_type": MODEL_TYPE, "architectures": [HF_ARCH]}
 
 
+@dataclass(frozen=True)
+class SSDLayerShape:
+    """What a Mamba-2 mixer is built from: the fields every family that carries one (Mamba-2,
+    Nemotron-H) derives from its own config."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    use_bias: bool
+    use_conv_bias: bool
+    eps: float
+    time_step_limit: tuple[float, float]
+    time_step_min: float
+    time_step_max: float
+    time_step_floor: float
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: x, then B and C of every group."""
+        return self.num_heads * self.head_dim + 2 * self.n_groups * self.state_size
+
+
 class Mamba2Mixer(nn.Module):
     """The SSD mixer of one layer (HF Mamba2Mixer parameters)."""
 
-    def __init__(self, cfg: Mamba2Config) -> None:
+    def __init__(self, cfg: SSDLayerShape) -> None:
         super().__init__()
-        h, d = cfg.hidden_size, cfg.intermediate_size
+        h, d = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        if cfg.num_heads % cfg.n_groups:
+            raise ValueError(f"the Mamba-2 head count ({cfg.num_heads}) must be a multiple of its group "
+                             f"count ({cfg.n_groups})")
         self.d_inner, self.heads, self.head_dim = d, cfg.num_heads, cfg.head_dim
         self.groups, self.n_state, self.kernel = cfg.n_groups, cfg.state_size, cfg.conv_kernel
         self.dt_limit = cfg.time_step_limit
@@ -122,12 +153,12 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(cfg.num_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, cfg.num_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(cfg.num_heads))
-        self.norm = GatedRMSNorm(d, d // cfg.n_groups, cfg.layer_norm_epsilon)
+        self.norm = GatedRMSNorm(d, d // cfg.n_groups, cfg.eps)
         self.out_proj = nn.Linear(d, h, bias=cfg.use_bias)
         self._init_dt(cfg)
 
     @torch.no_grad()
-    def _init_dt(self, cfg: Mamba2Config) -> None:
+    def _init_dt(self, cfg: SSDLayerShape) -> None:
         # Mamba's init: dt = softplus(dt_bias) log-uniform in [time_step_min, time_step_max].
         lo, hi = math.log(cfg.time_step_min), math.log(cfg.time_step_max)
         dt = torch.exp(torch.rand(self.heads) * (hi - lo) + lo).clamp(min=cfg.time_step_floor)
@@ -171,7 +202,7 @@ class Mamba2Block(nn.Module):
         super().__init__()
         self.residual_in_fp32 = cfg.residual_in_fp32
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.mixer = Mamba2Mixer(cfg)
+        self.mixer = Mamba2Mixer(cfg.layer_shape())
 
     def forward_chunk(
         self, r: torch.Tensor, h0: torch.Tensor, conv0: torch.Tensor, *, scan: ScanFn = ssd_scan
@@ -223,10 +254,11 @@ class Mamba2ForCausalLM(RecurrentLM):
 # ---- checkpoints -------------------------------------------------------------------------------
 
 
-def check_shapes(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse a checkpoint whose tensors are not the model's: names, then shapes, named."""
+def check_shapes(model: nn.Module, state: dict[str, torch.Tensor], where: str, *, tied: bool) -> None:
+    """Refuse a checkpoint whose tensors are not the model's: names, then shapes, named. A tied
+    head is stored once, as the embedding."""
     expect = {k: v.shape for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    if tied:
         expect.pop("lm_head.weight")
     missing, unexpected = set(expect) - set(state), set(state) - set(expect)
     if missing or unexpected:
@@ -250,7 +282,7 @@ def load_mamba2(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Ma
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model = Mamba2ForCausalLM(cfg)
-    check_shapes(model, state, str(path))
+    check_shapes(model, state, str(path), tied=cfg.tie_word_embeddings)
     # In the asked dtype, else the checkpoint's: loading float64 weights into float32 would round them.
     model.to(dtype or state["backbone.embeddings.weight"].dtype).load_state_dict(state, strict=False)
     return model

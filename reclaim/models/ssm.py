@@ -1,5 +1,5 @@
-"""One loader for every state-space LM family: the config names the family, the family's loader
-reads the weights."""
+"""One loader for every state-space LM family (Mamba-1, Mamba-2, the Nemotron-H hybrid): the config
+names the family, the family's loader reads the weights."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import torch
 
 from reclaim.models.mamba import MambaForCausalLM, _read_json, load_mamba
 from reclaim.models.mamba2 import Mamba2ForCausalLM, load_mamba2
+from reclaim.models.nemotron_h import NemotronHForCausalLM, load_nemotron_h
 
 # architecture -> (model_type, loader). mamba_ssm directories (no model_type, a d_model key) are
 # Mamba-1 layouts that load_mamba reads (and refuses for their other layers, by name).
 FAMILIES = {
     "MambaForCausalLM": ("mamba", load_mamba),
     "Mamba2ForCausalLM": ("mamba2", load_mamba2),
+    "NemotronHForCausalLM": ("nemotron_h", load_nemotron_h),
 }
 
 
@@ -33,7 +35,10 @@ def ssm_family(config: dict) -> str:
                      f"supported: {supported}")
 
 
-def load_ssm(path: str | os.PathLike, dtype: torch.dtype | None = None) -> MambaForCausalLM | Mamba2ForCausalLM:
-    """Load a Mamba-1 or Mamba-2 directory, whichever its config.json names; refuse others by name."""
+def load_ssm(
+    path: str | os.PathLike, dtype: torch.dtype | None = None
+) -> MambaForCausalLM | Mamba2ForCausalLM | NemotronHForCausalLM:
+    """Load a Mamba-1, Mamba-2 or Nemotron-H directory, whichever its config.json names; refuse
+    others by name."""
     arch = ssm_family(_read_json(Path(path) / "config.json"))
     return FAMILIES[arch][1](path, dtype)

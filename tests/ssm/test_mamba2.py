@@ -55,44 +55,27 @@ def test_logits_match_transformers_float64(kw):
     assert rel(got, ref) <= 1e-6
 
 
-def keep_float64(monkeypatch):
-    """Make `.float()` and `.to(torch.float32)` leave float64 tensors alone, so transformers' torch
-    path (which casts its scan and norms to float32) runs its own math wholly in float64."""
-    float_, to = torch.Tensor.float, torch.Tensor.to
-
-    def float64_float(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else float_(self, *args, **kwargs)
-
-    def float64_to(self, *args, **kwargs):
-        if self.dtype == torch.float64 and (torch.float32 in args or kwargs.get("dtype") == torch.float32):
-            return self
-        return to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "float", float64_float)
-    monkeypatch.setattr(torch.Tensor, "to", float64_to)
-
-
 @pytest.mark.parametrize("kw", CONFIGS)
-def test_logits_equal_transformers_math_in_float64_throughout(kw, monkeypatch):
+def test_logits_equal_transformers_math_in_float64_throughout(kw, float64_transformers):
     hf, ours = _pair(kw)
     ids = torch.randint(0, kw["vocab_size"], (3, 70))
     with torch.no_grad():
         got = ours(ids).logits
-        keep_float64(monkeypatch)
+        float64_transformers()
         ref = hf(ids).logits
     assert ref.dtype == torch.float64
     assert rel(got, ref) <= 1e-12
 
 
 @pytest.mark.parametrize("float64_throughout,tol", [(False, 1e-5), (True, 1e-10)])
-def test_gradients_match_transformers_autograd(float64_throughout, tol, monkeypatch):
+def test_gradients_match_transformers_autograd(float64_throughout, tol, float64_transformers):
     """As is, transformers' torch path computes the SSD and norms in float32 for float64 weights."""
     hf, ours = _pair(CONFIGS[1])
     ids = torch.randint(0, 53, (2, 23))
     logits = ours(ids).logits
     torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
     if float64_throughout:
-        keep_float64(monkeypatch)
+        float64_transformers()
     hf.train()
     hf(ids, labels=ids).loss.backward()
     ref = dict(hf.named_parameters())
