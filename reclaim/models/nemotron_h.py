@@ -177,9 +177,9 @@ class Attention(nn.Module):
         s = k0.shape[2]
         # Query i (position s + i) sees keys 0 .. s + i.
         mask = torch.ones(t, s + t, dtype=torch.bool, device=u.device).tril(s)
-        rep = self.heads // self.kv_heads
-        y = F.scaled_dot_product_attention(q, k1.repeat_interleave(rep, 1), v1.repeat_interleave(rep, 1),
-                                           attn_mask=mask, scale=self.head_dim**-0.5)
+        # enable_gqa: each key head serves its query heads without a repeated copy of the keys.
+        y = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, scale=self.head_dim**-0.5,
+                                           enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1)), k1, v1
 
 
