@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -252,11 +252,19 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
     return shards
 
 
-def write_weights(model: torch.nn.Module, cfg: LlamaConfig, path: Path, max_shard_size: int | str) -> None:
-    """Write the tensors as HF does: one model.safetensors, or shards plus an index above the limit."""
+def write_weights(
+    model: torch.nn.Module, cfg: LlamaConfig, path: Path, max_shard_size: int | str,
+    rename: Callable[[str], str] | None = None,
+) -> None:
+    """Write the tensors as HF does: one model.safetensors, or shards plus an index above the limit.
+
+    rename: the on-disk name of a parameter, where a family's files differ from its module names.
+    """
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # HF stores a tied head once, as the embedding
+    if rename is not None:
+        tensors = {rename(k): v for k, v in tensors.items()}
     shards = _shards(tensors, parse_size(max_shard_size))
     meta = {"format": "pt"}
     if len(shards) == 1:

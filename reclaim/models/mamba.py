@@ -31,7 +31,8 @@ HF_EMBED, SSM_EMBED = "backbone.embeddings.weight", "backbone.embedding.weight"
 
 
 class LayerState(NamedTuple):
-    """Recurrent state of one layer: SSM state h [B, D, N] and conv tail [B, D, K-1]."""
+    """Recurrent state of one layer: SSM state h (Mamba-1 [B, D, N], Mamba-2 [B, heads, head_dim, N])
+    and the conv tail [B, conv channels, K-1]."""
 
     h: torch.Tensor
     conv: torch.Tensor
@@ -166,6 +167,22 @@ def mamba_ssm_to_hf_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {HF_EMBED if k == SSM_EMBED else k: v for k, v in state.items()}
 
 
+def causal_conv(conv1d: nn.Conv1d, x: torch.Tensor, conv0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv of x [B, T, D] after the tail conv0 [B, D, K-1]: (out, new tail)."""
+    t, kernel = x.shape[1], conv1d.kernel_size[0]
+    xc = torch.cat([conv0.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+T, D]
+    # A copy, not a view: a view would keep this whole chunk's input alive with the state.
+    conv1 = xc[:, xc.shape[1] - (kernel - 1) :].transpose(1, 2).clone()
+    # K shifted multiply-adds: far faster on CPU than grouped conv1d.
+    w = conv1d.weight[:, 0]  # [D, K]
+    out = xc[:, :t] * w[:, 0]
+    for k in range(1, kernel):
+        out = torch.addcmul(out, xc[:, k : k + t], w[:, k])
+    if conv1d.bias is not None:
+        out = out + conv1d.bias
+    return out, conv1
+
+
 class MambaMixer(nn.Module):
     """The selective-SSM mixer of one layer (HF MambaMixer parameters)."""
 
@@ -209,18 +226,8 @@ class MambaMixer(nn.Module):
 
         scan: the kernel, called as scan(x, dt, A, B, C, h0) -> (y, h1).
         """
-        t = u.shape[1]
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        xc = torch.cat([conv0.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+T, D]
-        # A copy, not a view: a view would keep this whole chunk's input alive with the state.
-        conv1 = xc[:, xc.shape[1] - (self.kernel - 1) :].transpose(1, 2).clone()
-        # Causal depthwise conv as K shifted multiply-adds: far faster on CPU than grouped conv1d.
-        w = self.conv1d.weight[:, 0]  # [D, K]
-        x = xc[:, :t] * w[:, 0]
-        for k in range(1, self.kernel):
-            x = torch.addcmul(x, xc[:, k : k + t], w[:, k])
-        if self.conv1d.bias is not None:
-            x = x + self.conv1d.bias
+        x, conv1 = causal_conv(self.conv1d, x, conv0)
         x = F.silu(x)
         dt, B, C = self.x_proj(x).split([self.dt_proj.in_features, self.n_state, self.n_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt).to(torch.promote_types(x.dtype, torch.float32)))
@@ -260,10 +267,66 @@ class Backbone(nn.Module):
 
 class MambaOutput(NamedTuple):
     logits: torch.Tensor | None  # [B, T, V], float32 at least
-    states: list[LayerState]  # per layer, after the last token
+    states: list  # per layer (a LayerState for Mamba layers), after the last token
 
 
-class MambaForCausalLM(nn.Module):
+class RecurrentLM(nn.Module):
+    """What every SSM LM here shares: a `backbone` (embeddings, layers with `forward_chunk` and a
+    mixer with `zero_state`, norm_f) and an `lm_head`; the state is passed in and handed back.
+
+    A layer's state is a NamedTuple of tensors (Mamba: h and the conv tail; attention: the keys and
+    values so far; an MLP: none): forward_chunk(r, *state) returns (r, *state after)."""
+
+    backbone: nn.Module
+    lm_head: nn.Linear
+
+    def zero_states(self, batch: int) -> list[tuple]:
+        """Fresh per-layer states for `batch` sequences."""
+        like = self.backbone.embeddings.weight
+        return [layer.mixer.zero_state(batch, like) for layer in self.backbone.layers]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        states: list[tuple] | None = None,
+        *,
+        compute_logits: bool = True,
+    ) -> MambaOutput:
+        """Run input_ids [B, T] from `states` (default: zero); returns logits and the new states."""
+        if states is None:
+            states = self.zero_states(input_ids.shape[0])
+        if len(states) != len(self.backbone.layers):
+            raise ValueError(f"got {len(states)} layer states for {len(self.backbone.layers)} layers")
+        r = self.backbone.embeddings(input_ids)
+        new = []
+        for layer, state in zip(self.backbone.layers, states):
+            r, *after = layer.forward_chunk(r, *state)
+            new.append(state._make(after))
+        logits = None
+        if compute_logits:
+            hidden = self.backbone.norm_f(r)
+            logits = self.logits(hidden)
+        return MambaOutput(logits, new)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over final-norm hidden states, in float32 at least (as transformers)."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with the recurrent state: one O(1) step per new token; returns [B, T+n]."""
+        out = self(input_ids)
+        ids = [input_ids]
+        for i in range(max_new_tokens):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            ids.append(nxt)
+            if i + 1 < max_new_tokens:
+                out = self(nxt, out.states)
+        return torch.cat(ids, 1)
+
+
+class MambaForCausalLM(RecurrentLM):
     """Mamba-1 causal LM with HF parameter names (backbone.*, lm_head)."""
 
     def __init__(self, cfg: MambaConfig) -> None:
@@ -291,51 +354,6 @@ class MambaForCausalLM(nn.Module):
                     bias.zero_()
             if cfg.rescale_prenorm_residual:
                 mixer.out_proj.weight /= math.sqrt(cfg.num_hidden_layers)
-
-    def zero_states(self, batch: int) -> list[LayerState]:
-        """Fresh per-layer states for `batch` sequences."""
-        like = self.backbone.embeddings.weight
-        return [layer.mixer.zero_state(batch, like) for layer in self.backbone.layers]
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        states: list[LayerState] | None = None,
-        *,
-        compute_logits: bool = True,
-    ) -> MambaOutput:
-        """Run input_ids [B, T] from `states` (default: zero); returns logits and the new states."""
-        if states is None:
-            states = self.zero_states(input_ids.shape[0])
-        if len(states) != len(self.backbone.layers):
-            raise ValueError(f"got {len(states)} layer states for {len(self.backbone.layers)} layers")
-        r = self.backbone.embeddings(input_ids)
-        new = []
-        for layer, (h, conv) in zip(self.backbone.layers, states):
-            r, h, conv = layer.forward_chunk(r, h, conv)
-            new.append(LayerState(h, conv))
-        logits = None
-        if compute_logits:
-            hidden = self.backbone.norm_f(r)
-            logits = self.logits(hidden)
-        return MambaOutput(logits, new)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over final-norm hidden states, in float32 at least (as transformers)."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding with the recurrent state: one O(1) step per new token; returns [B, T+n]."""
-        out = self(input_ids)
-        ids = [input_ids]
-        for i in range(max_new_tokens):
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            ids.append(nxt)
-            if i + 1 < max_new_tokens:
-                out = self(nxt, out.states)
-        return torch.cat(ids, 1)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------

@@ -26,3 +26,22 @@ class RMSNorm(nn.Module):
         x = x.to(torch.promote_types(x.dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x * silu(gate), taken over groups of `group_size` channels (Mamba-2's gated norm,
+    transformers' MambaRMSNormGated with the gate applied before the norm)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        if group_size < 1 or dim % group_size:
+            raise ValueError(f"the norm's group size ({group_size}) must divide its width ({dim})")
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x = x.to(dtype) * F.silu(gate.to(dtype))
+        g = x.unflatten(-1, (-1, self.group_size))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.flatten(-2).to(self.weight.dtype)

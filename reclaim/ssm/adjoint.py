@@ -1,4 +1,4 @@
-"""Exact adjoint training of a Mamba LM in O(chunk) activation memory.
+"""Exact adjoint training of a Mamba-1 or Mamba-2 LM in O(chunk) activation memory.
 
 Pass 1 runs the sequence chunk by chunk without autograd and keeps only each layer's state
 (h, conv tail) at every chunk start. Pass 2 walks the chunks in reverse: it re-runs the chunk with
@@ -18,18 +18,69 @@ Truncated mode (`window=W`) replaces each layer's state adjoint, for its paramet
 gradients, by mu_W(i) = mu(i) - (prod_{j=i+1}^{i+W} Abar_j) mu(i+W) (see window.Window): each
 output reaches back through at most W state transitions per layer. The conv (K-1 tokens), the
 skip D, the C-path and the carried exact mu are untouched; W >= T is exact.
+
+Families: a layer's state and scan come from its model family (`KERNELS`). A Mamba-2 layer
+carries h [heads, head_dim, state] and its conv tail across chunks; inside a chunk its SSD runs in
+the chunked form (quadratic inside SSD blocks, the state carried between them) and autograd
+through it is exact; the truncated mode runs the SSD's hand-written backward, whose per-head state
+adjoint the same Window truncates.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reclaim.models.mamba import LayerState
+from reclaim.models.kernels.scan import ScanFn, selective_scan
+from reclaim.models.mamba import MambaMixer
+from reclaim.models.mamba2 import Mamba2Mixer
+from reclaim.models.nemotron_h import MLP, Attention, KVState
+from reclaim.models.ssd import ssd_scan
 from reclaim.ssm.window import Window, scan_for
 
 RECOMPUTE = ("chunk", "layer")  # what pass 2 holds an autograd graph for: see adjoint_loss_backward
+
+
+# Mixer type -> its scan kernel (each takes an `adjoint=` hook for the truncated mode); None for
+# mixers without one (attention, MLP), whose state (if any) is carried exactly.
+KERNELS: dict[type, ScanFn | None] = {MambaMixer: selective_scan, Mamba2Mixer: ssd_scan,
+                                      Attention: None, MLP: None}
+
+
+def layer_kernel(layer: nn.Module) -> ScanFn | None:
+    """The scan kernel of a layer's mixer: Mamba-1's selective scan, Mamba-2's SSD, or None."""
+    mixer = getattr(layer, "mixer", layer)
+    if type(mixer) not in KERNELS:
+        supported = [t.__name__ for t in KERNELS]
+        raise ValueError(f"no adjoint for layer type {type(mixer).__name__}; supported: {supported}")
+    return KERNELS[type(mixer)]
+
+
+def kernel_args(layer: nn.Module, window: Window | None) -> dict:
+    """What `forward_chunk` takes besides the input and state: its scan, truncated if `window`."""
+    kernel = layer_kernel(layer)
+    return {} if kernel is None else {"scan": scan_for(window, kernel)}
+
+
+def check_family(model: nn.Module, chunk: int, window: int | None) -> None:
+    """Refuse a model whose layers have no adjoint here, and a Mamba-2 window shorter than a chunk
+    (the issue's contract for Mamba-2 and its hybrids; Mamba-1 keeps accepting any window)."""
+    kernels = [layer_kernel(layer) for layer in model.backbone.layers]
+    if window is not None and window < chunk and ssd_scan in kernels:
+        raise ValueError(f"window ({window}) must be >= chunk ({chunk}) for Mamba-2 layers")
+
+
+def _leaf(state: tuple) -> tuple:
+    """The state as fresh autograd leaves (same NamedTuple type)."""
+    return state._make(t.detach().requires_grad_() for t in state)
+
+
+def _grads(leaf: tuple) -> tuple:
+    """The adjoint of a state made by `_leaf` (zeros where nothing reached it)."""
+    return leaf._make(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaf)
 
 
 def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -53,38 +104,36 @@ def layer_windows(window: int | None, length: int, n_layers: int) -> list[Window
             for _ in range(n_layers)]
 
 
-def cell_forward(
-    layer: nn.Module, x: torch.Tensor, state: LayerState
-) -> tuple[torch.Tensor, LayerState]:
+def cell_forward(layer: nn.Module, x: torch.Tensor, state: tuple) -> tuple[torch.Tensor, tuple]:
     """One (layer, chunk) shard without autograd: (layer output, state at the chunk's end)."""
     with torch.no_grad():
-        y, h, conv = layer.forward_chunk(x, *state)
-    return y, LayerState(h, conv)
+        y, *after = layer.forward_chunk(x, *state)
+    return y, state._make(after)
 
 
 def cell_backward(
     layer: nn.Module,
     x: torch.Tensor,
-    state: LayerState,
+    state: tuple,
     dy: torch.Tensor,
-    dstate: LayerState | None,
+    dstate: tuple | None,
     window: Window | None = None,
-) -> tuple[torch.Tensor, LayerState]:
+) -> tuple[torch.Tensor, tuple]:
     """One shard's backward: recompute with autograd and pull (dy, end-state adjoint) through it.
 
     Accumulates the layer's parameter .grad; returns (dL/dx, adjoint of the start state). dstate
     None means nothing downstream reads the end state (the last chunk). `window` truncates.
     """
     x = x.detach().requires_grad_()
-    h0, conv0 = (s.detach().requires_grad_() for s in state)
+    leaf = _leaf(state)
     with torch.enable_grad():
-        y, h1, conv1 = layer.forward_chunk(x, h0, conv0, scan=scan_for(window))
+        y, *after = layer.forward_chunk(x, *leaf, **kernel_args(layer, window))
         outs, grads = [y], [dy]
         if dstate is not None:
-            outs += [h1, conv1]
-            grads += [dstate.h, dstate.conv]
+            outs += after
+            grads += list(dstate)
         torch.autograd.backward(outs, grads)
-    return x.grad, LayerState(h0.grad, conv0.grad)
+    return x.grad, _grads(leaf)
 
 
 def head_backward(
@@ -113,35 +162,50 @@ def embed_backward(model: nn.Module, ids: torch.Tensor, dr: torch.Tensor) -> Non
         torch.autograd.backward(model.backbone.embeddings(ids), dr)
 
 
-def _stash(state: LayerState, offload: bool) -> LayerState:
+def _stash(state: tuple, offload: bool) -> tuple:
     if not offload:
         return state
     pin = torch.cuda.is_available()  # pinned pages need a CUDA runtime; plain host memory otherwise
-    return LayerState(*(torch.empty(s.shape, dtype=s.dtype, pin_memory=pin).copy_(s, non_blocking=pin)
-                        for s in state))
+    return state._make(torch.empty(s.shape, dtype=s.dtype, pin_memory=pin).copy_(s, non_blocking=pin)
+                       for s in state)
 
 
-def _fetch(state: LayerState, device: torch.device) -> LayerState:
-    return LayerState(*(s.to(device, non_blocking=True) for s in state))
+def _fetch(state: tuple, device: torch.device) -> tuple:
+    return state._make(s.to(device, non_blocking=True) for s in state)
+
+
+class _Prefix(NamedTuple):
+    """Placeholder for keys and values at a chunk start: the first `length` of the final ones."""
+
+    length: int
 
 
 def forward_states(
     model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], offload: bool = False
-) -> list[list[LayerState]]:
+) -> list[list[tuple]]:
     """Pass 1 without autograd: every layer's state at every chunk start (saved[chunk][layer]),
-    in pinned host memory if `offload`."""
+    in pinned host memory if `offload`.
+
+    An attention layer's state (the keys and values so far) is not copied per chunk: every chunk's
+    is a view of the first tokens of the final one, O(T) bytes in all, left on its device.
+    """
     states = model.zero_states(input_ids.shape[0])
-    saved: list[list[LayerState]] = []
+    saved: list[list] = []
     with torch.no_grad():
         for s, e in bounds:
-            saved.append([_stash(st, offload) for st in states])
+            saved.append([_Prefix(st.k.shape[2]) if isinstance(st, KVState) else _stash(st, offload)
+                          for st in states])
             x = model.backbone.embeddings(input_ids[:, s:e])
             for k, layer in enumerate(model.backbone.layers):
                 x, states[k] = cell_forward(layer, x, states[k])
+    for row in saved:
+        for k, st in enumerate(row):
+            if isinstance(st, _Prefix):
+                row[k] = KVState(*(t[:, :, :st.length] for t in states[k]))
     return saved
 
 
-def chunk_inputs(model: nn.Module, ids: torch.Tensor, states: list[LayerState]) -> list[torch.Tensor]:
+def chunk_inputs(model: nn.Module, ids: torch.Tensor, states: list[tuple]) -> list[torch.Tensor]:
     """Residual stream entering each layer (and leaving the last) over one chunk, without autograd."""
     with torch.no_grad():
         x = model.backbone.embeddings(ids)
@@ -155,32 +219,34 @@ def chunk_inputs(model: nn.Module, ids: torch.Tensor, states: list[LayerState]) 
 def chunk_backward(
     model: nn.Module,
     ids: torch.Tensor,
-    states: list[LayerState],
+    states: list[tuple],
     targets: torch.Tensor,
-    carries: list[LayerState | None],
+    carries: list[tuple | None],
     windows: list[Window | None],
     scale: float,
     loss_chunk: int,
-) -> tuple[float, list[LayerState]]:
+) -> tuple[float, list[tuple]]:
     """One time chunk's backward through every layer at once: (summed loss, start-state adjoints).
 
     Recomputes the chunk with autograd from its start states (one graph for all layers, so each
     layer's input is not recomputed a second time), takes the loss gradient in sub-chunks, then
-    pulls it, with each layer's carried end-state adjoint, through the graph in one backward.
+    pulls it, with each layer's carried end-state adjoint, through the graph in one backward. For
+    an attention layer that adjoint is dL/d(keys, values) of every earlier token: what later
+    chunks' queries sent back, fed here into the chunk's own keys and values and passed on.
     """
-    leaves = [LayerState(*(t.detach().requires_grad_() for t in st)) for st in states]
+    leaves = [_leaf(st) for st in states]
     ends: list[torch.Tensor] = []
     end_grads: list[torch.Tensor] = []
     with torch.enable_grad():
         x = model.backbone.embeddings(ids)
         for layer, st, carry, window in zip(model.backbone.layers, leaves, carries, windows):
-            x, h1, conv1 = layer.forward_chunk(x, st.h, st.conv, scan=scan_for(window))
+            x, *after = layer.forward_chunk(x, *st, **kernel_args(layer, window))
             if carry is not None:
-                ends += [h1, conv1]
-                end_grads += [carry.h, carry.conv]
+                ends += after
+                end_grads += list(carry)
     loss, dr = head_backward(model, x, targets, scale, loss_chunk)
     torch.autograd.backward([x, *ends], [dr, *end_grads])
-    return loss, [LayerState(st.h.grad, st.conv.grad) for st in leaves]
+    return loss, [_grads(st) for st in leaves]
 
 
 def adjoint_loss_backward(
@@ -211,6 +277,9 @@ def adjoint_loss_backward(
         raise ValueError(f"window must be >= 1 or None, got {window}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    check_family(model, chunk, window)
     device = input_ids.device
     if offload is None:
         offload = device.type == "cuda"
@@ -223,7 +292,7 @@ def adjoint_loss_backward(
     windows = layer_windows(window, input_ids.shape[1], len(layers))
 
     saved = forward_states(model, input_ids, bounds, offload)
-    carries: list[LayerState | None] = [None] * len(layers)
+    carries: list[tuple | None] = [None] * len(layers)
     total = 0.0
     for c in reversed(range(len(bounds))):
         s, e = bounds[c]

@@ -1,8 +1,10 @@
 """The truncated adjoint: each output back-propagates through at most W state transitions per layer.
 
-Applied from outside the model: `scan_for(window)` is a selective scan whose backward hook
-(`selective_scan(..., adjoint=...)`) truncates the state adjoint; the ssm engine passes it to a
-layer's `forward_chunk(..., scan=...)`. The model and the kernel know nothing about windows.
+Applied from outside the model: `scan_for(window, kernel)` is a layer family's scan (Mamba-1's
+selective scan, Mamba-2's SSD) whose backward hook (`kernel(..., adjoint=...)`) truncates the state
+adjoint; the ssm engine passes it to a layer's `forward_chunk(..., scan=...)`. The model and the
+kernel know nothing about windows. A Mamba-2 layer has one decay per head: its hook sees mu as
+[B, L, heads, head_dim * state] and A as [heads, 1], which the same formula broadcasts over.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Window:
         self.r_before: torch.Tensor | None = None  # R at the token before the last segment seen
 
     def truncate(self, mu: torch.Tensor, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-        """mu_W for a segment: exact mu [B, L, D, N], dt [B, L, D], A [D, N]; then remember it."""
+        """mu_W for a segment: exact mu [B, L, D, N], dt [B, L, D], A [D, N] (or [D, 1] for one
+        decay per D); then remember it."""
         w, n = self.size, mu.shape[1]
         c = torch.cumsum(dt.double(), 1)
         r_end = self.r_before if self.r_before is not None else c.new_zeros(c[:, -1].shape)
@@ -95,7 +98,7 @@ class Window:
         return torch.cat(mus, 1), torch.cat(rs, 1)
 
 
-def scan_for(window: Window | None) -> ScanFn:
-    """The scan a layer runs under this window: exact (`selective_scan`) when window is None."""
-    return selective_scan if window is None else functools.partial(selective_scan,
-                                                                    adjoint=window.truncate)
+def scan_for(window: Window | None, kernel: ScanFn = selective_scan) -> ScanFn:
+    """The scan a layer runs under this window: `kernel` (its family's scan) as is when window is
+    None, else with the window's truncation as its adjoint hook."""
+    return kernel if window is None else functools.partial(kernel, adjoint=window.truncate)
