@@ -180,6 +180,18 @@ class _Prefix(NamedTuple):
     length: int
 
 
+def keep_state(state: tuple, offload: bool = False) -> tuple:
+    """What a chunk start keeps of a layer's state: the state itself (in pinned host memory if
+    `offload`), or for keys and values only their length (`prefix_views` makes them views later),
+    so a layer's earlier keys are held once, not once per chunk."""
+    return _Prefix(state.k.shape[2]) if isinstance(state, KVState) else _stash(state, offload)
+
+
+def prefix_view(kept: tuple, final: tuple) -> tuple:
+    """A chunk-start state from `keep_state`: keys and values as a view of the layer's `final` ones."""
+    return KVState(*(t[:, :, :kept.length] for t in final)) if isinstance(kept, _Prefix) else kept
+
+
 def forward_states(
     model: nn.Module, input_ids: torch.Tensor, bounds: list[tuple[int, int]], offload: bool = False
 ) -> list[list[tuple]]:
@@ -193,16 +205,11 @@ def forward_states(
     saved: list[list] = []
     with torch.no_grad():
         for s, e in bounds:
-            saved.append([_Prefix(st.k.shape[2]) if isinstance(st, KVState) else _stash(st, offload)
-                          for st in states])
+            saved.append([keep_state(st, offload) for st in states])
             x = model.backbone.embeddings(input_ids[:, s:e])
             for k, layer in enumerate(model.backbone.layers):
                 x, states[k] = cell_forward(layer, x, states[k])
-    for row in saved:
-        for k, st in enumerate(row):
-            if isinstance(st, _Prefix):
-                row[k] = KVState(*(t[:, :, :st.length] for t in states[k]))
-    return saved
+    return [[prefix_view(st, final) for st, final in zip(row, states)] for row in saved]
 
 
 def chunk_inputs(model: nn.Module, ids: torch.Tensor, states: list[tuple]) -> list[torch.Tensor]:

@@ -35,9 +35,11 @@ import torch.distributed as dist
 from torch import nn
 
 from reclaim.models.mamba import LayerState
-from reclaim.ssm.adjoint import (aligned_labels, cell_backward, cell_forward, chunk_bounds,
-                                 chunk_inputs, embed_backward, forward_states, head_backward,
-                                 layer_windows)
+from reclaim.models.nemotron_h import KVState
+from reclaim.ssm.adjoint import (aligned_labels, cell_backward, cell_forward, check_family,
+                                 chunk_bounds, chunk_inputs, embed_backward, forward_states,
+                                 head_backward, keep_state, layer_kernel, layer_windows,
+                                 prefix_view)
 from reclaim.ssm.window import Window
 
 
@@ -181,9 +183,11 @@ def _global(group, rank: int) -> int:
 
 
 def _recv_window(size: int, n: int, h: torch.Tensor, src: int, group) -> Window:
-    """Receive a `Window.handoff()` of n tokens (mu like the state h, dt sums in float64)."""
-    bsz, d, n_state = h.shape
-    mu = _recv((bsz, n, d, n_state), h, src, group)
+    """Receive a `Window.handoff()` of n tokens (dt sums in float64). The state h is [B, D, N]
+    (Mamba-1: a decay per channel and state) or [B, heads, head_dim, N] (Mamba-2: per head), and
+    the Window's mu per token [D, N] or [heads, head_dim * N]."""
+    bsz, d = h.shape[:2]
+    mu = _recv((bsz, n, d, h[0, 0].numel()), h, src, group)
     r64 = h.new_empty(0, dtype=torch.float64)
     r = _recv((bsz, n, d), r64, src, group)
     return Window.resume(size, mu, r, _recv((bsz, d), r64, src, group))
@@ -284,34 +288,39 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
                                group=None) -> float:
     """Context parallel: rank r owns a time segment (a run of chunks) of every layer.
 
-    Forward goes layer by layer: a rank scans its segment once the previous rank has sent that
-    layer's end state (h and conv tail), so layers pipeline across ranks. Backward mirrors it
-    with the state adjoint and conv-tail cotangent flowing to the previous rank; parameter
-    gradients and the loss are then all-reduced. Every rank passes the full input_ids (it reads
-    only its segment); each keeps its segment's layer inputs (K x T/W x d). With `window`, each
-    layer's truncation state comes from the next rank along with the carry (`Window.handoff`).
+    Forward goes layer by layer: a rank runs its segment once the previous rank has sent that
+    layer's state at the segment start (Mamba: h and conv tail; attention: the keys and values of
+    every earlier token; an MLP: nothing), so layers pipeline across ranks. Backward mirrors it
+    with the state's adjoint flowing to the previous rank (Mamba: mu and the conv-tail cotangent;
+    attention: dK/dV of every earlier token, each rank adding its queries' part before passing it
+    on, so it reaches the rank that made those keys); parameter gradients and the loss are then
+    all-reduced. Every rank passes the full input_ids (it reads only its segment); each keeps its
+    segment's layer inputs (K x T/W x d) and, per attention layer, the keys and values up to its
+    segment end. With `window`, each Mamba layer's truncation state comes from the next rank along
+    with the carry (`Window.handoff`).
     """
     rank, world, prev, nxt, lab, n_tokens, bounds = _setup(group, input_ids, labels, chunk, window)
+    check_family(model, chunk, window)
     emb, layers = model.backbone.embeddings, model.backbone.layers
     bsz = input_ids.shape[0]
     mine = [bounds[c] for c in time_segments(len(bounds), world)[rank]]
-    like = layers[0].mixer.zero_state(bsz, emb.weight)
+    start, end = mine[0][0], mine[-1][1]
+    zero = model.zero_states(bsz)  # per layer: the state's type, dtype and shape (but length)
     params = _unique_parameters(model)
     stash = _stash_grads(params)
     pending: list = []
     with torch.no_grad():
         xs = [emb(input_ids[:, s:e]) for s, e in mine]
         inputs, saved = [], []
-        for layer in layers:
-            state = like if rank == 0 else LayerState(
-                *(_recv(t.shape, t, prev, group) for t in like))
+        for layer, like in zip(layers, zero):
+            state = like if rank == 0 else _recv_state(like, start, prev, group)
             inputs.append(xs)
-            saved.append([])
-            ys = []
+            kept, ys = [], []
             for x in xs:
-                saved[-1].append(state)
+                kept.append(keep_state(state))
                 y, state = cell_forward(layer, x, state)
                 ys.append(y)
+            saved.append([prefix_view(st, state) for st in kept])
             if rank < world - 1:
                 for t in state:
                     _send(t, nxt, group, pending)
@@ -322,13 +331,15 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
         total += loss
         cot.append(dx)
     length = input_ids.shape[1]
-    after = min(window or 0, length - mine[-1][1])  # tokens a Window here needs from rank + 1
-    for k, win in reversed(list(enumerate(layer_windows(window, length, len(layers))))):
+    after = min(window or 0, length - end)  # tokens a Window here needs from rank + 1
+    windows = [win if layer_kernel(layer) is not None else None  # attention, MLP: exact
+               for layer, win in zip(layers, layer_windows(window, length, len(layers)))]
+    for k, win in reversed(list(enumerate(windows))):
         carry = None
         if rank < world - 1:
-            carry = LayerState(*(_recv(t.shape, t, nxt, group) for t in like))
+            carry = _recv_state(zero[k], end, nxt, group)
             if win is not None:
-                win = _recv_window(win.size, after, like.h, nxt, group)
+                win = _recv_window(win.size, after, zero[k][0], nxt, group)
         for j in reversed(range(len(mine))):
             cot[j], carry = cell_backward(layers[k], inputs[k][j], saved[k][j], cot[j], carry, win)
         if rank > 0:
@@ -343,6 +354,14 @@ def time_sharded_loss_backward(model: nn.Module, input_ids: torch.Tensor,
     loss = torch.tensor([total], dtype=torch.float64, device=input_ids.device)  # nccl: on the GPU
     dist.all_reduce(loss, group=group)
     return loss.item() / n_tokens
+
+
+def _recv_state(like: tuple, position: int, src: int, group) -> tuple:
+    """A layer state (or its adjoint) at `position` tokens, shaped as `like` (a zero state), whose
+    keys and values, if it has them, then span the `position` earlier tokens."""
+    grow = isinstance(like, KVState)
+    return like._make(_recv((*t.shape[:2], position, *t.shape[3:]) if grow else t.shape, t, src,
+                            group) for t in like)
 
 
 # ---- training helpers: what a rank holds, how gradients and weights meet ------------------------

@@ -40,6 +40,36 @@ def tiny_model(n_layer: int, tie: bool = True, seed: int = 0) -> torch.nn.Module
     return model
 
 
+# Time sharding of the other families (kind, tokens, chunk, windows): on 2 ranks 37 tokens in
+# chunks of 5 split 20 / 17, 40 in chunks of 8 split 16 / 24; Mamba-2 windows are >= a chunk,
+# below, equal to and above a segment and >= T (exact).
+FAMILIES = [("mamba2", 37, 5, (5, 17, 25, 37)), ("hybrid", 40, 8, (8, 16, 30, 40))]
+
+
+def family_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A small random float64 Mamba-2 LM, or a hybrid of Mamba-2, attention (one layer of each
+    first) and MLP layers, every parameter perturbed so no gradient is trivially zero."""
+    from reclaim.models.mamba2 import Mamba2Config, Mamba2ForCausalLM
+    from reclaim.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    ssd = dict(vocab_size=50, hidden_size=12, n_groups=3, time_step_min=0.05, time_step_max=0.5)
+    if kind == "mamba2":
+        model = Mamba2ForCausalLM(Mamba2Config(num_hidden_layers=3, state_size=4, num_heads=6,
+                                               head_dim=4, **ssd))
+    else:
+        model = NemotronHForCausalLM(NemotronHConfig(
+            layers_block_type=["full_attention", "linear_attention", "mlp", "full_attention",
+                               "linear_attention"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=3, intermediate_size=20,
+            ssm_state_size=4, mamba_num_heads=6, mamba_head_dim=3, **ssd))
+    model = model.double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
 def reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients from one autograd backward through the model's own forward."""
     model.zero_grad(set_to_none=True)
@@ -155,12 +185,28 @@ def _worker() -> None:
                                 "scheme": scheme, "rank": rank, "loss_err": abs(got - loss) / loss,
                                 "grad_err": worst_error(model, ref, only)})
             model.zero_grad(set_to_none=True)
+    for kind, length, chunk, windows in FAMILIES:
+        model = family_model(kind)
+        ids = torch.randint(0, 50, (2, length), generator=torch.Generator().manual_seed(length))
+        for w in (None, *windows):  # exact: one process's autograd; truncated: its adjoint
+            if w is None or w >= length:
+                loss, ref = reference(model, ids)
+            else:
+                model.zero_grad(set_to_none=True)
+                loss = adjoint_loss_backward(model, ids, chunk=chunk, window=w, loss_chunk=7)
+                ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            got = P.time_sharded_loss_backward(model, ids, chunk=chunk, window=w, loss_chunk=7)
+            results.append({"case": [kind, length, chunk], "window": w, "scheme": "time",
+                            "rank": rank, "loss_err": abs(got - loss) / loss,
+                            "grad_err": worst_error(model, ref)})
+            model.zero_grad(set_to_none=True)
     Path(os.environ["RECLAIM_TEST_OUT"], f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 @pytest.mark.launches
-def test_layer_and_time_sharded_equal_autograd_on_two_gloo_ranks(tmp_path) -> None:
+def test_layer_and_time_sharded_equal_one_process_on_two_gloo_ranks(tmp_path) -> None:
     env = {**os.environ, "RECLAIM_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -168,7 +214,8 @@ def test_layer_and_time_sharded_equal_autograd_on_two_gloo_ranks(tmp_path) -> No
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [r for rank in (0, 1)
                for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
-    assert len(results) == 2 * (3 * len(CASES) + 2 * sum(len(w) for _, w in TRUNCATED))
+    assert len(results) == 2 * (3 * len(CASES) + 2 * sum(len(w) for _, w in TRUNCATED)
+                                + sum(1 + len(w) for *_, w in FAMILIES))
     for r in results:
         assert r["loss_err"] < 1e-12 and r["grad_err"] < 1e-9, r
 
