@@ -348,11 +348,12 @@ def serve(
 def ssm_train(
     ctx: typer.Context,
     config: str = typer.Option(None, "--config", help="YAML file of SSMTrainConfig fields, or a "
-                               "bundled config: ssm-tiny, ssm-64k, ssm-128k-time."),
+                               "bundled config: ssm-tiny, ssm-64k, ssm-128k-time, ssm-mamba2-small, ssm-hybrid-small."),
     grad_mode: str = typer.Option(None, "--grad-mode", help="backprop | checkpoint | adjoint | truncated."),
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
-    """Train a Mamba LM on a text corpus at a chosen context length. Any config field can be
+    """Train a Mamba-1, Mamba-2 or Nemotron-H hybrid LM on a text corpus at a chosen context
+    length (random init: --architecture and --model_config; --model DIR loads one). Any config field can be
     overridden as `--field value` (e.g. --context_length 65536 --window 2048; a bool field alone
     is true). Under `torchrun --nproc_per_node=N -m reclaim.cli ssm-train ...`, --sharding none |
     fsdp | layer | time picks data parallel, the same fully sharded, a pipeline over layer blocks,

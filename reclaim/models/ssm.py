@@ -1,24 +1,51 @@
 """One loader for every state-space LM family (Mamba-1, Mamba-2, the Nemotron-H hybrid): the config
-names the family, the family's loader reads the weights."""
+names the family, the family's loader reads the weights; each family's config, writer and
+checkpoint key names are here too, so a trainer treats every family alike."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
-from reclaim.models.mamba import MambaForCausalLM, _read_json, load_mamba
-from reclaim.models.mamba2 import Mamba2ForCausalLM, load_mamba2
-from reclaim.models.nemotron_h import NemotronHForCausalLM, load_nemotron_h
+from reclaim.models.mamba import MambaConfig, MambaForCausalLM, _read_json, load_mamba, write_mamba
+from reclaim.models.mamba2 import Mamba2Config, Mamba2ForCausalLM, load_mamba2, write_mamba2
+from reclaim.models.nemotron_h import (NemotronHConfig, NemotronHForCausalLM, load_nemotron_h,
+                                       to_file_name, write_nemotron_h)
 
-# architecture -> (model_type, loader). mamba_ssm directories (no model_type, a d_model key) are
-# Mamba-1 layouts that load_mamba reads (and refuses for their other layers, by name).
+
+class Family(NamedTuple):
+    """What reclaim knows of one SSM architecture."""
+
+    model_type: str
+    config: type  # its config dataclass (HF field names, `from_hf`)
+    model: type
+    load: Callable[..., nn.Module]  # load(path, dtype)
+    write: Callable[[nn.Module, Path], None]  # write(model, existing directory): an HF directory
+    file_name: Callable[[str], str]  # a parameter name as the checkpoint files spell it
+
+
+def _same(name: str) -> str:
+    return name
+
+
+# architecture -> family. mamba_ssm directories (no model_type, a d_model key) are Mamba-1 layouts
+# that load_mamba reads (and refuses for their other layers, by name).
 FAMILIES = {
-    "MambaForCausalLM": ("mamba", load_mamba),
-    "Mamba2ForCausalLM": ("mamba2", load_mamba2),
-    "NemotronHForCausalLM": ("nemotron_h", load_nemotron_h),
+    "MambaForCausalLM": Family("mamba", MambaConfig, MambaForCausalLM, load_mamba, write_mamba, _same),
+    "Mamba2ForCausalLM": Family("mamba2", Mamba2Config, Mamba2ForCausalLM, load_mamba2, write_mamba2,
+                                _same),
+    "NemotronHForCausalLM": Family("nemotron_h", NemotronHConfig, NemotronHForCausalLM,
+                                   load_nemotron_h, write_nemotron_h, to_file_name),
 }
+
+
+def _supported() -> str:
+    return ", ".join(f"{a} ({f.model_type})" for a, f in FAMILIES.items())
 
 
 def ssm_family(config: dict) -> str:
@@ -27,12 +54,32 @@ def ssm_family(config: dict) -> str:
         return "MambaForCausalLM"
     archs = config.get("architectures") or []
     kind = config.get("model_type")
-    for arch, (model_type, _) in FAMILIES.items():
-        if arch in archs or (not archs and kind == model_type):
+    for arch, family in FAMILIES.items():
+        if arch in archs or (not archs and kind == family.model_type):
             return arch
-    supported = ", ".join(f"{a} ({t})" for a, (t, _) in FAMILIES.items())
     raise ValueError(f"unsupported SSM architecture {archs or None} (model_type {kind!r}); "
-                     f"supported: {supported}")
+                     f"supported: {_supported()}")
+
+
+def family_of(model: nn.Module) -> Family:
+    """The family of a model built here."""
+    for family in FAMILIES.values():
+        if type(model) is family.model:
+            return family
+    raise ValueError(f"{type(model).__name__} is not an SSM family here; supported: {_supported()}")
+
+
+def build_ssm(architecture: str, fields: dict[str, Any]) -> nn.Module:
+    """A randomly initialised model of `architecture` from HF config.json `fields`; a field the
+    family's config does not have is refused by name."""
+    if architecture not in FAMILIES:
+        raise ValueError(f"unsupported SSM architecture {architecture!r}; supported: {_supported()}")
+    family = FAMILIES[architecture]
+    cfg = family.config.from_hf(fields)
+    if cfg.extra:
+        raise ValueError(f"{architecture} has no config field(s) {sorted(cfg.extra)}; its fields: "
+                         f"{sorted(set(family.config.__dataclass_fields__) - {'extra'})}")
+    return family.model(cfg)
 
 
 def load_ssm(
@@ -41,4 +88,4 @@ def load_ssm(
     """Load a Mamba-1, Mamba-2 or Nemotron-H directory, whichever its config.json names; refuse
     others by name."""
     arch = ssm_family(_read_json(Path(path) / "config.json"))
-    return FAMILIES[arch][1](path, dtype)
+    return FAMILIES[arch].load(path, dtype)

@@ -1,4 +1,5 @@
-"""`reclaim ssm-train`: train a Mamba LM on a text corpus at a chosen context length.
+"""`reclaim ssm-train`: train a state-space LM (Mamba-1, Mamba-2 or a Nemotron-H hybrid of Mamba-2,
+attention and MLP layers) on a text corpus at a chosen context length.
 
 One loop, four ways to get the gradient (`grad_mode`): plain backprop, backprop with per-layer
 activation checkpointing, the exact chunked adjoint, and the truncated adjoint (window T-bar).
@@ -19,7 +20,8 @@ the processes share the work:
   global norm. A checkpoint gathers the model to rank 0; optimizer states stay per rank
   (optimizer-rank{r}.pt), so resuming needs the same number of processes.
 - "time": context parallel (`parallel.time_sharded_loss_backward`); every rank holds the model
-  and reads the same batch, and owns a time segment of it.
+  and reads the same batch, and owns a time segment of it. Every family: Mamba states pass from
+  rank to rank, an attention layer's earlier keys and values too (and their gradients back).
 "layer" and "time" need grad_mode adjoint or truncated and torchrun with >= 2 processes (a
 single process gets an error rather than a silent fallback). Rank 0 alone writes log.jsonl,
 train_config.json, the progress bar and the checkpoint directory; output_dir must be one
@@ -53,14 +55,19 @@ ADJOINT_MODES = ("adjoint", "truncated")
 
 @dataclass
 class SSMTrainConfig:
-    """Training run for a Mamba LM; names follow transformers' TrainingArguments where they exist.
+    """Training run for an SSM LM; names follow transformers' TrainingArguments where they exist.
 
     Load one with `reclaim.config.load_config(SSMTrainConfig, path_or_name, overrides)`.
     """
 
     output_dir: str = "runs/ssm"
-    # Model: a pretrained HF Mamba directory, or random init of this size (model=None).
+    # Model: a pretrained HF directory of any supported SSM (`load_ssm`), or random init (model=None)
+    # of `architecture`: MambaForCausalLM of d_model, n_layer, d_state, expand; Mamba2ForCausalLM and
+    # NemotronHForCausalLM of `model_config`, their HF config.json fields (vocab_size: the
+    # tokenizer's). model_config fields also override Mamba-1's.
     model: str | None = None
+    architecture: str = "MambaForCausalLM"
+    model_config: dict[str, Any] | None = None
     d_model: int = 256
     n_layer: int = 4
     d_state: int = 16
@@ -98,6 +105,10 @@ class SSMTrainConfig:
     def __post_init__(self) -> None:
         if self.grad_mode not in GRAD_MODES:
             raise ValueError(f"grad_mode {self.grad_mode!r} is not one of {list(GRAD_MODES)}")
+        from reclaim.models.ssm import FAMILIES
+
+        if self.architecture not in FAMILIES:
+            raise ValueError(f"architecture {self.architecture!r} is not one of {list(FAMILIES)}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding {self.sharding!r} is not one of {list(SHARDINGS)}")
         if self.sharding not in DATA_PARALLEL and self.grad_mode not in ADJOINT_MODES:
@@ -124,16 +135,16 @@ class SSMTrainConfig:
 # ---- model, data, gradient ---------------------------------------------------------------------
 
 def build_model(cfg: SSMTrainConfig, vocab_size: int) -> torch.nn.Module:
-    """A Mamba LM: loaded from cfg.model, else randomly initialised (seeded) at the config's size."""
-    from reclaim.models import mamba
+    """The LM: loaded from cfg.model, else randomly initialised (seeded) as cfg.architecture."""
+    from reclaim.models.ssm import build_ssm, load_ssm
 
     if cfg.model is not None:
-        return mamba.load_mamba(cfg.model)
+        return load_ssm(cfg.model)
     torch.manual_seed(cfg.seed)
-    config = mamba.MambaConfig(vocab_size=vocab_size, hidden_size=cfg.d_model,
-                               num_hidden_layers=cfg.n_layer, state_size=cfg.d_state,
-                               expand=cfg.expand)
-    return mamba.MambaForCausalLM(config)
+    fields = {} if cfg.architecture != "MambaForCausalLM" else dict(
+        hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer, state_size=cfg.d_state,
+        expand=cfg.expand)
+    return build_ssm(cfg.architecture, {**fields, **(cfg.model_config or {}), "vocab_size": vocab_size})
 
 
 def _head_ce(model: torch.nn.Module, r: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -189,12 +200,14 @@ def loss_backward(model: torch.nn.Module, input_ids: torch.Tensor, cfg: SSMTrain
 def _load_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy a checkpoint's tensors into model in place, in model's dtype (no float32 detour)."""
     from reclaim.models.loading import SafetensorsSource
+    from reclaim.models.ssm import family_of
 
     src = SafetensorsSource(path)
+    file_name = family_of(model).file_name
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
             try:
-                saved = src[name]
+                saved = src[file_name(name)]
             except KeyError as e:
                 raise ValueError(f"checkpoint {str(path)!r} has no tensor {name!r}") from e
             if saved.shape != p.shape:
@@ -204,11 +217,11 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 def _model_writer(model: Any, tokenizer: Any) -> Callable[[Path], None]:
-    """How a checkpoint writes the model: the Mamba HF directory, with the tokenizer if there is one."""
-    from reclaim.models.mamba import write_mamba
+    """How a checkpoint writes the model: its family's HF directory, with the tokenizer if there is one."""
+    from reclaim.models.ssm import family_of
 
     def write(tmp: Path) -> None:
-        write_mamba(model, tmp)
+        family_of(model).write(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 

@@ -1,6 +1,7 @@
 """ssm-train under torchrun (2 gloo ranks) equals one process taking the same steps (float64).
 
-Layer and time sharding (exact and truncated adjoint) read the same batches as a single process;
+Layer and time sharding (exact and truncated adjoint; by time also a Mamba-2 LM and a hybrid with
+attention) read the same batches as a single process;
 data parallel, plain and fully sharded (`sharding: fsdp`, backprop and the exact adjoint), equals
 one process accumulating both ranks' batches. Every distributed run is cut after its step-2
 checkpoint and resumed, so the compared log and weights also show that resume reproduces the
@@ -31,8 +32,21 @@ pytestmark = pytest.mark.launches  # torchrun ranks: run first (tests/conftest.p
 TINY = dict(d_model=16, n_layer=3, d_state=4, context_length=48, chunk_size=10, loss_chunk=16,
             learning_rate=1e-2, max_steps=4, save_steps=2, logging_steps=1, dtype="float64",
             warmup_steps=1, max_grad_norm=0.3)
+# Small models of the other families (as the bundled ssm-mamba2-small and ssm-hybrid-small).
+MAMBA2 = {"architecture": "Mamba2ForCausalLM",
+          "model_config": dict(hidden_size=16, num_hidden_layers=3, num_heads=4, head_dim=8, state_size=4,
+                               n_groups=2)}
+HYBRID = {"architecture": "NemotronHForCausalLM",
+          "model_config": dict(hidden_size=16, hybrid_override_pattern="M*-M", num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=4, intermediate_size=24, mamba_num_heads=4,
+                               mamba_head_dim=8, ssm_state_size=4, n_groups=2)}
 # name: (distributed overrides, single-process overrides). Windows: 7 < a segment, 25 > one.
 RUNS = {
+    "time-mamba2-truncated": ({"sharding": "time", "grad_mode": "truncated", "window": 12, **MAMBA2},
+                              {"grad_mode": "truncated", "window": 12, **MAMBA2}),
+    "time-hybrid-adjoint": ({"sharding": "time", "grad_mode": "adjoint", "per_device_train_batch_size": 2,
+                             **HYBRID},
+                            {"grad_mode": "adjoint", "per_device_train_batch_size": 2, **HYBRID}),
     "layer-adjoint": ({"sharding": "layer", "grad_mode": "adjoint"}, {"grad_mode": "adjoint"}),
     "layer-truncated": ({"sharding": "layer", "grad_mode": "truncated", "window": 7,
                          "gradient_accumulation_steps": 2},
@@ -84,9 +98,9 @@ def _worker(root: Path) -> None:
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    from reclaim.models.mamba import load_mamba
+    from reclaim.models.ssm import load_ssm
 
-    return load_mamba(run / "checkpoint-4").state_dict()
+    return load_ssm(run / "checkpoint-4").state_dict()
 
 
 def _close(a: float, b: float) -> bool:

@@ -173,3 +173,63 @@ def test_bad_sharding_configs_say_what_is_allowed(tmp_path, tokens, monkeypatch)
     cfg = T.SSMTrainConfig(output_dir=str(tmp_path), sharding="time", **TINY)
     with pytest.raises(ValueError, match="WORLD_SIZE is 1; launch `torchrun"):
         T.train(cfg, tokens=tokens, progress=False)
+
+
+# The bundled Mamba-2 and hybrid configs, made tiny for a test (their layouts kept).
+FAMILY_CONFIGS = {
+    "ssm-mamba2-small": ("Mamba2ForCausalLM", dict(hidden_size=16, num_heads=4, head_dim=8, state_size=4,
+                                                   n_groups=2)),
+    "ssm-hybrid-small": ("NemotronHForCausalLM", dict(hidden_size=16, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=4, intermediate_size=24,
+                                                      mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=4,
+                                                      n_groups=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_family_checkpoints_load_in_transformers_with_the_same_logits(name, tmp_path, tokens) -> None:
+    import transformers
+
+    from reclaim.models.ssm import load_ssm
+
+    arch, small = FAMILY_CONFIGS[name]
+    bundled = load(name)
+    assert bundled.architecture == arch
+    cfg = load(name, {"output_dir": str(tmp_path), "model_config": {**bundled.model_config, **small},
+                      "dtype": "float64", "max_steps": 2, "save_steps": 0, "context_length": 48,
+                      "chunk_size": 10, "loss_chunk": 16, "warmup_steps": 0})
+    records = T.train(cfg, tokens=tokens, progress=False)
+    assert [r["step"] for r in records] == [1, 2]
+    ckpt = tmp_path / "checkpoint-2"
+    ours = load_ssm(ckpt)
+    init = T.build_model(cfg, int(tokens.max()) + 1).double()
+    assert any(not torch.equal(a, b) for a, b in zip(ours.state_dict().values(), init.state_dict().values()))
+    theirs = getattr(transformers, arch).from_pretrained(ckpt, dtype=torch.float64, local_files_only=True).eval()
+    ids = tokens[:40].long()[None]
+    with torch.no_grad():
+        want, got = ours(ids).logits, theirs(ids).logits.double()
+    # transformers runs its norms and scans in float32 even for float64 weights
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_family_resume_with_another_shape_is_refused_by_name(name, tmp_path, tokens) -> None:
+    arch, small = FAMILY_CONFIGS[name]
+    small = {**load(name).model_config, **small}
+    cfg = load(name, {"output_dir": str(tmp_path), "model_config": small, "max_steps": 1,
+                      "context_length": 24, "chunk_size": 10})
+    T.train(cfg, tokens=tokens, progress=False)
+    wider = load(None, {**dataclasses.asdict(cfg), "model_config": {**small, "hidden_size": 32, "expand": 1},
+                        "resume_from_checkpoint": True})
+    param = "backbone" if arch == "Mamba2ForCausalLM" else "model"
+    with pytest.raises(ValueError, match=rf"holds '{param}\.embeddings\.weight' of shape \[40, 16\]; this "
+                                         r"config's model has \[40, 32\]"):
+        T.train(wider, tokens=tokens, progress=False)
+
+
+def test_unknown_architecture_and_model_config_fields_are_refused() -> None:
+    with pytest.raises(ValueError, match="architecture 'JambaForCausalLM' is not one of"):
+        load(None, {"architecture": "JambaForCausalLM"})
+    cfg = load(None, {"architecture": "Mamba2ForCausalLM", "model_config": {"hidden_sise": 16}})
+    with pytest.raises(ValueError, match=r"Mamba2ForCausalLM has no config field\(s\) \['hidden_sise'\]"):
+        T.build_model(cfg, 40)
