@@ -60,6 +60,8 @@ RUNS = {
                       {"grad_mode": "backprop", "gradient_accumulation_steps": 4}),
     "fsdp-backprop": ({"sharding": "fsdp", "grad_mode": "backprop", "gradient_accumulation_steps": 2},
                       {"grad_mode": "backprop", "gradient_accumulation_steps": 4}),
+    "fsdp-hybrid-adjoint": ({"sharding": "fsdp", "grad_mode": "adjoint", **HYBRID},
+                            {"grad_mode": "adjoint", "gradient_accumulation_steps": 2, **HYBRID}),
     "fsdp-adjoint": ({"sharding": "fsdp", "grad_mode": "adjoint", "weight_decay": 0.1},
                      {"grad_mode": "adjoint", "gradient_accumulation_steps": 2, "weight_decay": 0.1}),
 }
