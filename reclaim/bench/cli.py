@@ -36,14 +36,19 @@ def bench_ssm(
     adjoint_recompute: str = typer.Option(None, "--adjoint-recompute",
                                           help="chunk (default) | layer: the adjoint's graph per step."),
     out: str = typer.Option("benchmarks", help="Directory for ssm.json and ssm.png."),
+    family: str = typer.Option("mamba", help="mamba (Mamba-1) | mamba2 | hybrid (Nemotron-H layout); "
+                               "the latter two write ssm-<family>.json and .png."),
 ) -> None:
     """Peak memory and step time vs context: backprop, checkpointing, exact and truncated adjoint."""
     from pathlib import Path
 
     from reclaim.bench.ssm import bench_spec, main
 
-    spec = bench_spec(quick=quick, device=device, cap_gib=cap_gib, max_context=max_context,
-                      threads=threads, adjoint_recompute=adjoint_recompute)
+    try:
+        spec = bench_spec(quick=quick, device=device, cap_gib=cap_gib, max_context=max_context,
+                          threads=threads, adjoint_recompute=adjoint_recompute, family=family)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--family") from e
     main(spec, Path(out))
 
 

@@ -60,6 +60,33 @@ class BenchSpec:
     threads: int = 2
     seed: int = 0
     timing_steps: int = 3  # timed steps per point after the warm-up; step_s is their median
+    # The model family: "mamba" (d_model, n_layer above), or "mamba2" / "hybrid" (FAMILIES below).
+    family: str = "mamba"
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+
+
+# Small models of the other families that fit this CPU (HF config fields; vocab_size: the spec's).
+# The hybrid has Nemotron-H's layer kinds: Mamba-2 (M), MLP (-), one attention layer (*).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mamba2": ("Mamba2ForCausalLM", dict(hidden_size=64, num_hidden_layers=4, num_heads=4, head_dim=32,
+                                         n_groups=1, state_size=16)),
+    "hybrid": ("NemotronHForCausalLM", dict(hidden_size=64, hybrid_override_pattern="M-M*-M",
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                            intermediate_size=128, mamba_num_heads=4, mamba_head_dim=32,
+                                            n_groups=1, ssm_state_size=16)),
+}
+
+
+def train_config(spec: BenchSpec, **fields: Any) -> "Any":
+    """The SSMTrainConfig of the spec's model family (and `fields`)."""
+    from reclaim.ssm.train import SSMTrainConfig
+
+    if spec.family == "mamba":
+        return SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, **fields)
+    if spec.family not in FAMILIES:
+        raise ValueError(f"unknown family {spec.family!r}; allowed: {['mamba', *FAMILIES]}")
+    arch, shape = FAMILIES[spec.family]
+    return SSMTrainConfig(architecture=arch, model_config=shape, **fields)
 
 
 def _status_kib(key: str) -> int:
@@ -88,14 +115,13 @@ def measure_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
     a later one timed (see the module docstring); return both."""
     import torch
 
-    from reclaim.ssm.train import SSMTrainConfig, build_model, loss_backward
+    from reclaim.ssm.train import build_model, loss_backward
 
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
     cuda = device.type == "cuda"
-    cfg = SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, context_length=context,
-                         grad_mode=mode, chunk_size=spec.chunk_size, loss_chunk=spec.loss_chunk,
+    cfg = train_config(spec, context_length=context, grad_mode=mode, chunk_size=spec.chunk_size, loss_chunk=spec.loss_chunk,
                          window=spec.window if mode == "truncated" else None, device=spec.device,
                          adjoint_recompute=spec.adjoint_recompute)
     model = build_model(cfg, spec.vocab_size).to(device)
@@ -189,11 +215,11 @@ def run_point(spec: BenchSpec, mode: str, context: int) -> dict[str, Any]:
     return {"mode": mode, "context": context, "failed": why}
 
 
-def sweep(spec: BenchSpec, modes: tuple[str, ...] = MODES, log=print) -> list[dict[str, Any]]:
+def sweep(spec: BenchSpec, modes: tuple[str, ...] | None = None, log=print) -> list[dict[str, Any]]:
     """Every mode at growing contexts: on past the cap up to the reference context, then on while
     under the cap; a mode stops early when a point fails (hard limit, OOM) or runs too long."""
     points = []
-    for mode in modes:
+    for mode in modes or spec.modes:
         for context in spec.contexts:
             p = run_point(spec, mode, context)
             points.append(p)
@@ -278,7 +304,7 @@ def plot(spec: BenchSpec, points: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Mamba LM d_model={spec.d_model} x {spec.n_layer} layers on {spec.device}: "
+    fig.suptitle(f"{model_name(spec)} on {spec.device}: "
                  f"backprop vs checkpointing vs adjoint (Q={spec.chunk_size}, T-bar={spec.window})",
                  fontsize=10)
     fig.tight_layout()
@@ -287,8 +313,39 @@ def plot(spec: BenchSpec, points: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def model_name(spec: BenchSpec) -> str:
+    """The swept model in words."""
+    if spec.family == "mamba":
+        return f"Mamba LM d_model={spec.d_model} x {spec.n_layer} layers"
+    arch, shape = FAMILIES[spec.family]
+    layers = shape.get("hybrid_override_pattern") or f"{shape['num_hidden_layers']} layers"
+    return f"{arch} hidden={shape['hidden_size']} {layers}"
+
+
+def output_name(spec: BenchSpec) -> str:
+    """ssm for Mamba-1 (ssm.json, ssm.png), ssm-<family> for the others."""
+    return "ssm" if spec.family == "mamba" else f"ssm-{spec.family}"
+
+
+def kv_bytes_per_token(spec: BenchSpec) -> int:
+    """What the adjoint keeps per token for the attention layers (keys and values, fp32); their
+    gradients, carried back chunk by chunk, take as much again."""
+    if spec.family != "hybrid":
+        return 0
+    shape = FAMILIES["hybrid"][1]
+    attention = shape["hybrid_override_pattern"].count("*")
+    return attention * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 4
+
+
 def memory_sources(spec: BenchSpec, context: int) -> dict[str, int]:
-    """Where the adjoint's step memory comes from, by formula (bytes, fp32)."""
+    """Where the adjoint's step memory comes from, by formula (bytes, fp32); for the other families
+    only the part that grows with context beyond Mamba's (attention's keys and values)."""
+    if spec.family != "mamba":
+        kv = kv_bytes_per_token(spec) * context
+        out = {"attention keys and values of every token (kept once)": kv,
+               "their gradients dK/dV, carried back to the chunks that made them": kv} if kv else {}
+        out["token ids and labels"] = context * 8 * 2
+        return out
     d_inner, n, conv = 2 * spec.d_model, 16, 3
     chunks = -(-context // spec.chunk_size)
     graph = spec.chunk_size * d_inner * 12 * 4  # one layer's recompute graph, ~12 x d_inner per token
@@ -313,11 +370,11 @@ def truncation_error(spec: BenchSpec, context: int, windows: list[int]) -> dict[
     import torch
 
     from reclaim.ssm.adjoint import adjoint_loss_backward
-    from reclaim.ssm.train import SSMTrainConfig, build_model
+    from reclaim.ssm.train import build_model
 
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
-    cfg = SSMTrainConfig(d_model=spec.d_model, n_layer=spec.n_layer, context_length=context)
+    cfg = train_config(spec, context_length=context)
     model = build_model(cfg, spec.vocab_size).to(spec.device)
     gen = torch.Generator().manual_seed(spec.seed)
     ids = torch.randint(0, spec.vocab_size, (1, context), generator=gen, device=gen.device).to(spec.device)
@@ -337,9 +394,11 @@ def main(spec: BenchSpec, out_dir: Path = Path("benchmarks"), log=print) -> dict
     meta = run_metadata()
     log(f"bench ssm: d_model={spec.d_model} n_layer={spec.n_layer} vocab={spec.vocab_size} "
         f"device={spec.device} cap={spec.cap_gib} GiB contexts={spec.contexts}")
+    log(f"model: {model_name(spec)}; modes {spec.modes}")
     points = sweep(spec, log=log)
     context = spec.contexts[0]
-    windows = [w for w in (16, 64, 256, 1024) if w < context] + [context]
+    smallest = 1 if spec.family == "mamba" else spec.chunk_size  # Mamba-2: a window >= a chunk
+    windows = [w for w in (16, 64, 256, 1024) if smallest <= w < context] + [context]
     return report(spec, points, out_dir, log, truncation_error(spec, context, windows), meta=meta)
 
 
@@ -377,22 +436,27 @@ def report(spec: BenchSpec, points: list[dict[str, Any]], out_dir: Path, log=pri
             slopes[m] = (b["peak_bytes"] - a["peak_bytes"]) / (b["context"] - a["context"])
     log("memory growth per token (slope between the two longest points): " + ", ".join(
         f"{m} {v / 1024:.2f} KiB" for m, v in slopes.items()))
-    result = {"benchmark": "ssm", "spec": asdict(spec), **meta, "points": points, "summary": summary,
+    if kv_bytes_per_token(spec):
+        log(f"attention keys and values: {kv_bytes_per_token(spec)} bytes per token kept, as much again "
+            "for their gradients")
+    result = {"benchmark": "ssm", "spec": asdict(spec), "model": model_name(spec),
+              "kv_bytes_per_token": kv_bytes_per_token(spec), **meta, "points": points, "summary": summary,
               "adjoint_memory_sources_bytes": sources, "bytes_per_token_slope": slopes}
     if trunc_error:
         result["truncated_gradient_rel_l2_error"] = {"context": spec.contexts[0], **trunc_error}
         log(f"truncated adjoint, relative L2 error of the gradient vs exact at {spec.contexts[0]} "
             "tokens: " + ", ".join(f"T-bar {w}: {e:.2e}" for w, e in trunc_error.items()))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ssm.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(spec, points, out_dir / "ssm.png")
-    log(f"wrote {out_dir / 'ssm.json'} and {out_dir / 'ssm.png'}")
+    name = output_name(spec)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(spec, points, out_dir / f"{name}.png")
+    log(f"wrote {out_dir / name}.json and .png")
     return result
 
 
 def bench_spec(*, quick: bool = False, device: str = "cpu", cap_gib: float | None = None,
                max_context: int | None = None, threads: int | None = None,
-               adjoint_recompute: str | None = None) -> BenchSpec:
+               adjoint_recompute: str | None = None, family: str = "mamba") -> BenchSpec:
     """The sweep `reclaim bench ssm` runs: sized for this CPU machine, a GPU, or a quick smoke run."""
     if quick:
         spec = BenchSpec(chunk_size=1024, window=512, cap_gib=0.25, reference_context=8192,
@@ -403,8 +467,17 @@ def bench_spec(*, quick: bool = False, device: str = "cpu", cap_gib: float | Non
         spec = BenchSpec(d_model=256, n_layer=8, vocab_size=50280, chunk_size=8192, window=2048,
                          loss_chunk=4096, cap_gib=8.0, hard_limit_gib=1e9,
                          contexts=[4096 << i for i in range(10)], device=device)
+    elif family != "mamba":
+        # Mamba-2 and the hybrid on this CPU: backprop against the adjoint at 4K, 16K, 64K under the
+        # issue's 0.25 GiB cap; one timed step per point (the hybrid's attention makes 64K steps
+        # minutes long here).
+        spec = BenchSpec(chunk_size=1024, window=1024, cap_gib=0.25, contexts=[4096, 16384, 65536],
+                         device=device, timing_steps=1, modes=["backprop", "adjoint", "truncated"])
     else:
         spec = BenchSpec(device=device)
+    if family not in ("mamba", *FAMILIES):
+        raise ValueError(f"unknown family {family!r}; allowed: {['mamba', *FAMILIES]}")
+    spec.family = family
     if cap_gib is not None:
         spec.cap_gib = cap_gib
     if max_context is not None:
