@@ -417,10 +417,12 @@ def drafter_train(
 @app.command("plan", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def plan(
     ctx: typer.Context,
-    config: str = typer.Option(..., "--config", help="The GRPO config (YAML or a bundled name) to plan."),
+    config: str = typer.Option(..., "--config", help="The GRPO or ssm-train config (YAML or a bundled name) "
+                               "to plan."),
     world_size: int = typer.Option(1, "--world-size", help="Ranks (torchrun's nnodes x nproc_per_node)."),
     model_config: str = typer.Option(None, "--model-config", help="An HF config.json, a model directory, or "
-                                     "a bundled shape: qwen2.5-7b, qwen2.5-32b, llama-3.1-8b. Default: the "
+                                     "a bundled shape: qwen2.5-7b, qwen2.5-32b, llama-3.1-8b, nemotron-h-8b. "
+                                     "Default: the "
                                      "config's model."),
     parallelism: str = typer.Option(None, "--parallelism", help="ddp or fsdp; default: the config's."),
     device_memory: str = typer.Option(None, "--device-memory", help="Memory per device, e.g. 141GB, 80GiB."),
@@ -428,21 +430,32 @@ def plan(
 ) -> None:
     """A GRPO run's memory per rank from the model's config.json (meta device, no weights):
     parameters, gradients, optimizer, reference model, rollout weights, KV and activations, and
-    whether it fits. Config fields can be overridden as `--field value`."""
+    whether it fits. An ssm-train config (one with grad_mode) gets the long-context SSM plan
+    (reclaim/ssm/plan.py: weights, boundary states, attention K/V, one chunk's graph; --sharding
+    none | fsdp | time). Config fields can be overridden as `--field value`."""
     import json
 
-    from reclaim.config import load_config
+    import yaml
+
+    from reclaim.config import load_config, read_config_text
     from reclaim.plan import model_config_path, report
     from reclaim.plan import plan as make_plan
     from reclaim.rl.grpo_config import GRPOConfig
+    from reclaim.ssm.plan import plan_ssm
+    from reclaim.ssm.train import SSMTrainConfig
     from reclaim.storage import parse_size
 
     try:
-        cfg = load_config(GRPOConfig, config, list(ctx.args))
+        ssm = "grad_mode" in (yaml.safe_load(read_config_text(config)[1]) or {})
+        cfg = load_config(SSMTrainConfig if ssm else GRPOConfig, config, list(ctx.args))
         memory = None if device_memory is None else parse_size(device_memory)
         if cfg.model is None and model_config is None:
-            raise ValueError("the config names no model (the bundled SmolLM2); give --model-config")
-        p = make_plan(cfg, model_config_path(model_config or cfg.model), world_size, parallelism or cfg.parallelism)
+            raise ValueError("the config names no model; give --model-config")
+        if ssm:
+            p = plan_ssm(cfg, model_config_path(model_config or cfg.model), world_size)
+        else:
+            p = make_plan(cfg, model_config_path(model_config or cfg.model), world_size,
+                          parallelism or cfg.parallelism)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     typer.echo(json.dumps(p.to_dict(memory), indent=2) if as_json else report(p, memory))

@@ -120,7 +120,7 @@ def report(p: Plan, device_memory: int | None) -> str:
              "per rank (the worst rank):"]
     lines += [f"  {k:<16} {v / GB:9.2f} GB" for k, v in p.rows.items()]
     lines.append(f"  {'total':<16} {p.total / GB:9.2f} GB")
-    if p.rows["kv_cache"] < p.min_kv_bytes:
+    if p.rows.get("kv_cache", p.min_kv_bytes) < p.min_kv_bytes:  # an ssm-train plan has no engine
         lines.append(f"  the KV budget holds less than one sequence at full length ({p.min_kv_bytes / GB:.2f} GB): "
                      "raise engine.kv_cache_bytes")
     if device_memory is not None:
