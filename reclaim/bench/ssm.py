@@ -71,7 +71,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mamba2": ("Mamba2ForCausalLM", dict(hidden_size=64, num_hidden_layers=4, num_heads=4, head_dim=32,
                                          n_groups=1, state_size=16)),
     "hybrid": ("NemotronHForCausalLM", dict(hidden_size=64, hybrid_override_pattern="M-M*-M",
-                                            num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                             intermediate_size=128, mamba_num_heads=4, mamba_head_dim=32,
                                             n_groups=1, ssm_state_size=16)),
 }
