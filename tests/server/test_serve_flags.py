@@ -124,3 +124,32 @@ def test_engine_config_refuses_unknown_fields_and_bad_values():
         EngineConfig(block_size=0)
     bad = CliRunner().invoke(app, ["serve", "--engine-config", "/nonexistent/engine.yaml"])
     assert bad.exit_code == 2 and "/nonexistent/engine.yaml" in bad.output
+
+
+def test_learning_flags(captured, monkeypatch, tmp_path):
+    monkeypatch.delenv("RECLAIM_ADMIN_KEY", raising=False)
+    kw = captured("--learn", "--rollback-to", "3", "--feedback-rate-limit", "30",
+                  env={"RECLAIM_ADMIN_KEY": "sk-admin"})
+    assert kw["admin_key"] == "sk-admin" and kw["rollback_to"] == 3 and kw["feedback_rate_limit"] == 30
+    assert kw["learn"].output_dir == "runs/online/{model}"  # keyed by the served model's name
+    kw = captured("--learn")
+    assert kw["admin_key"] is None and kw["rollback_to"] is None and kw["feedback_rate_limit"] == 120
+    probe = tmp_path / "probe.jsonl"
+    probe.write_text('{"text": "fine"}\n')
+    kw = captured("--learn", "--probe-path", str(probe), "--max-probe-regression", "0.1")
+    assert kw["learn"].probe_path == str(probe) and kw["learn"].max_probe_regression == 0.1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rollback-to", "2"], "--rollback-to only applies with --learn"),
+    (["--learn", "--rollback-to", "-1"], "--rollback-to -1: a weights version is >= 0"),
+    (["--feedback-rate-limit", "5"], "--feedback-rate-limit only applies with --learn"),
+    (["--learn", "--probe-path", "PROBE"], "line 2: not JSON"),
+])
+def test_learning_flags_refused(monkeypatch, tmp_path, args, message):
+    monkeypatch.setattr(serve_module, "serve", lambda model, **kw: 0)
+    probe = tmp_path / "probe.jsonl"
+    probe.write_text('{"text": "fine"}\n{"text": \n')
+    result = CliRunner().invoke(app, ["serve", *[str(probe) if a == "PROBE" else a for a in args]],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
