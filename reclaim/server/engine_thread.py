@@ -136,6 +136,8 @@ class EngineThread:
 
     def abort(self, request_id: str) -> None:
         """Stop one engine request; its outputs are dropped from here on."""
+        if self.learner is not None:
+            self.learner.owners.pop(request_id, None)
         if self._sinks.pop(request_id, None) is not None:
             self._timing.pop(request_id, None)
             self.metrics.requests_finished.inc(1, ("abort",))

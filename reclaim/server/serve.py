@@ -31,6 +31,11 @@ from reclaim.server.engine_thread import EngineThread
 log = logging.getLogger("reclaim.server")
 
 
+class LearnerRefused(ValueError):
+    """`--learn` could not start: its run directory or flags do not fit the served model (another
+    model's checkpoint, a version to roll back to that is not kept, a bad probe set)."""
+
+
 def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_config: EngineConfig,
               *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20,
               split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = (),
@@ -59,8 +64,11 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_c
         from reclaim.online.learner import OnlineLearner
 
         name = model_id or model_names[0]
-        learner = OnlineLearner(model, learn.for_model(name), model_name=name, rollback_to=rollback_to,
-                                tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False))
+        try:
+            learner = OnlineLearner(model, learn.for_model(name), model_name=name, rollback_to=rollback_to,
+                                    tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False))
+        except (ValueError, LookupError) as exc:  # the run dir or flags, not a bug: one line for it
+            raise LearnerRefused(str(exc)) from exc
         colocated = Colocated(learner, engine, max_ttft_slowdown=max_ttft_slowdown)
     runner = EngineThread(engine, ServerMetrics(), learner=colocated)
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
@@ -169,13 +177,17 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     names = (served_model_name or (model if model else Path(path).name),)
     if model is None:
         names += ("default",)
-    app, runner, state = build_app(weights, tokenizer, names, engine_config,
-                                   api_key=api_key, allowed_origins=allowed_origins,
-                                   split_special_tokens=split_special_tokens,
-                                   force_include_usage=force_include_usage, access_log=access_log,
-                                   learn=learn, max_ttft_slowdown=max_ttft_slowdown,
-                                   admin_key=admin_key, feedback_rate_limit=feedback_rate_limit,
-                                   rollback_to=rollback_to, model_id=Path(path).name)
+    try:
+        app, runner, state = build_app(weights, tokenizer, names, engine_config,
+                                       api_key=api_key, allowed_origins=allowed_origins,
+                                       split_special_tokens=split_special_tokens,
+                                       force_include_usage=force_include_usage, access_log=access_log,
+                                       learn=learn, max_ttft_slowdown=max_ttft_slowdown,
+                                       admin_key=admin_key, feedback_rate_limit=feedback_rate_limit,
+                                       rollback_to=rollback_to, model_id=Path(path).name)
+    except LearnerRefused as exc:
+        log.error("not serving: %s", exc)
+        return 2
     connections = connections or ConnectionLimits()
     raise_file_limit(connections)
     config = uvicorn_config(app, connections, runner.metrics, host=host, port=port,

@@ -153,3 +153,34 @@ def test_learning_flags_refused(monkeypatch, tmp_path, args, message):
     result = CliRunner().invoke(app, ["serve", *[str(probe) if a == "PROBE" else a for a in args]],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_a_learner_that_cannot_start_is_refused_in_one_line(tmp_path, caplog):
+    """Another model's checkpoint in the run directory, or --rollback-to a version not kept: the
+    server does not start, and says why in one line naming the models (or the versions kept)."""
+    import torch
+
+    from reclaim.models.loading import save_model
+    from reclaim.online.feedback import FeedbackLog
+    from reclaim.online.store import RecordStore
+    from reclaim.online.trainer import OnlineTrainConfig, OnlineTrainer
+
+    tokenizer = make_tokenizer()
+    model_dir = save_model(make_model(tokenizer), tokenizer, tmp_path / "tiny-a")
+    cfg = OnlineTrainConfig(output_dir=str(tmp_path / "run"), save_steps=1, cost_model="recompute")
+    other = OnlineTrainer(make_model(tokenizer, seed=1), cfg, FeedbackLog(cfg.feedback_path),
+                          RecordStore(), model_name="tiny-b")
+    with torch.no_grad():
+        other.save()
+    engine = EngineConfig(max_model_len=256, num_blocks=64, block_size=16)
+    assert serve_module.serve(str(model_dir), engine_config=engine, learn=cfg, log_level="warning") == 2
+    refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(refused) == 1 and "is of model 'tiny-b'" in refused[0] and "served 'tiny-a'" in refused[0]
+    assert "\n" not in refused[0]
+    caplog.clear()
+    keyed = OnlineTrainConfig(output_dir=str(tmp_path / "runs" / "{model}"), cost_model="recompute")
+    assert serve_module.serve(str(model_dir), engine_config=engine, learn=keyed, rollback_to=7,
+                              log_level="warning") == 2
+    refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert refused == [f"not serving: --rollback-to 7: no such version kept; at start-up kept: [0] (0: the "
+                       f"model as given, the others checkpoints in {str(tmp_path / 'runs' / 'tiny-a')!r})"]
