@@ -41,13 +41,20 @@ class Snapshot:
         return size(self.params) + size(self.optimizer)
 
 
-def _to_host(x: Any) -> Any:
+def _to_host(x: Any, into: Any = None) -> Any:
+    """A host copy of `x` (tensors in dicts and lists), written into `into`'s tensors where they
+    fit: an evicted snapshot's memory is reused, not freed and faulted in again every step."""
     if isinstance(x, torch.Tensor):
+        if (isinstance(into, torch.Tensor) and into.shape == x.shape and into.dtype == x.dtype
+                and into.device.type == "cpu"):
+            return into.copy_(x.detach())
         return x.detach().to("cpu", copy=True)
     if isinstance(x, dict):
-        return {k: _to_host(v) for k, v in x.items()}
+        into = into if isinstance(into, dict) else {}
+        return {k: _to_host(v, into.get(k)) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_host(v) for v in x)
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(x) else [None] * len(x)
+        return type(x)(_to_host(v, w) for v, w in zip(x, into))
     return copy.deepcopy(x)
 
 
@@ -67,10 +74,12 @@ class VersionSnapshots:
         """Keep `version` as the model and optimizer are now; evict beyond `keep`."""
         if not self.keep:
             return
-        params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
-                  if p.requires_grad}
-        self.snapshots[version] = Snapshot(params, _to_host(optimizer.state_dict()))
-        self.snapshots.move_to_end(version)
+        old = self.snapshots.pop(version, None)
+        if old is None and len(self.snapshots) >= self.keep:
+            old = self.snapshots.popitem(last=False)[1]  # evicted now: its memory is reused
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.snapshots[version] = Snapshot(_to_host(params, old and old.params),
+                                           _to_host(optimizer.state_dict(), old and old.optimizer))
         while len(self.snapshots) > self.keep:
             self.snapshots.popitem(last=False)
 
