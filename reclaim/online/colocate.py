@@ -30,8 +30,8 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from concurrent.futures import Future
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -130,7 +130,8 @@ class Colocated:
         """Restore weights `version` (call it through `call`): a training step in progress is
         abandoned (its feedback stays pending, to train on the restored weights); the versions
         undone."""
-        if version != self.learner.version and self.slices.in_step:
+        kept = self.learner.trainer.kept_versions()
+        if version != self.learner.version and version in kept and self.slices.in_step:
             self.slices.close()
             self._new_slices()
         undone = self.learner.rollback(version)
