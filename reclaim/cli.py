@@ -79,7 +79,12 @@ def _learn_config(learn: bool, config: str | None, **flags: str | None):
     if config is None and files("reclaim.configs").joinpath("online-smollm2.yaml").is_file():
         config = "online-smollm2"
     try:
-        return load_config(OnlineTrainConfig, config, {k: v for k, v in flags.items() if v is not None})
+        cfg = load_config(OnlineTrainConfig, config, {k: v for k, v in flags.items() if v is not None})
+        if cfg.probe_path is not None:  # refused now, with its line number, not after loading the model
+            from reclaim.online.probe import load_probes
+
+            load_probes(cfg.probe_path)
+        return cfg
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 
@@ -292,6 +297,19 @@ def serve(
     record_host_budget: str = typer.Option(None, "--record-host-budget", help="With --learn: bytes offloaded to host."),
     max_ttft_slowdown: float = typer.Option(0.1, "--max-ttft-slowdown", help="With --learn: the latency training may "
                                             "add to serving, as a share (idle time is free)."),
+    probe_path: str = typer.Option(None, "--probe-path", help="With --learn: held-out JSON lines ({\"prompt\", "
+                                   "\"answer\"} or {\"text\"}); an update that raises their loss is undone."),
+    max_probe_regression: float = typer.Option(None, "--max-probe-regression", help="With --learn and a probe set: "
+                                             "nats per token an update may raise the probe loss (default 0.05)."),
+    admin_key: str = typer.Option(None, "--admin-key", envvar="RECLAIM_ADMIN_KEY",
+                                  help="A key that may roll weights back (POST /v1/weights/rollback) and give "
+                                       "feedback on any response; it passes the gate too. Prefer RECLAIM_ADMIN_KEY."),
+    feedback_rate_limit: float = typer.Option(None, "--feedback-rate-limit", help="With --learn: feedback a minute "
+                                              "per API key (per client address without keys); 0: no limit "
+                                              "(default 120)."),
+    rollback_to: int = typer.Option(None, "--rollback-to", help="With --learn: at start-up, restore this weights "
+                                    "version (a checkpoint's, or 0: the model as given) and reject the feedback "
+                                    "trained after it."),
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
     engine_config: str = typer.Option(None, "--engine-config", help="YAML file of EngineConfig fields "
                                       "(max_num_seqs, ...); the engine options below override it."),
@@ -314,7 +332,15 @@ def serve(
     if save_suffix_history is not None and not Path(save_suffix_history).expanduser().parent.is_dir():
         raise typer.BadParameter(f"--save-suffix-history {save_suffix_history!r}: its directory does not exist")
     learn_cfg = _learn_config(learn, learn_config, record=record, record_budget=record_budget,
-                              record_host_budget=record_host_budget)
+                              record_host_budget=record_host_budget, probe_path=probe_path,
+                              max_probe_regression=max_probe_regression)
+    for flag, value in (("--rollback-to", rollback_to), ("--feedback-rate-limit", feedback_rate_limit)):
+        if value is not None and not learn:
+            raise typer.BadParameter(f"{flag} only applies with --learn")
+    if rollback_to is not None and rollback_to < 0:
+        raise typer.BadParameter(f"--rollback-to {rollback_to}: a weights version is >= 0")
+    if feedback_rate_limit is not None and feedback_rate_limit < 0:
+        raise typer.BadParameter(f"--feedback-rate-limit {feedback_rate_limit}: allowed: >= 0 (0: no limit)")
     try:
         args = _engine_config(engine_config, engine_fields).replace(speculative=spec)
         # the budget given (a flag or the file), refused beside --num-blocks, which sets it; on CUDA
@@ -339,7 +365,9 @@ def serve(
                                 split_special_tokens=split_special_tokens,
                                 force_include_usage=enable_force_include_usage,
                                 access_log=not disable_access_log, learn=learn_cfg,
-                                max_ttft_slowdown=max_ttft_slowdown, save_suffix_history=save_suffix_history))
+                                max_ttft_slowdown=max_ttft_slowdown, save_suffix_history=save_suffix_history,
+                                admin_key=admin_key, rollback_to=rollback_to,
+                                feedback_rate_limit=120.0 if feedback_rate_limit is None else feedback_rate_limit))
 
 
 # ---- ssm: ssm-train (owner: ssm) ----

@@ -16,7 +16,10 @@ training runs in short slices that let a new request in within about one unit's 
 max_feedback_wait_s a step waits for a full batch of feedback (or that long), so steps are fewer and
 the records they reuse fresher. The
 optimizer step changes the weights of the served module between two engine steps, and the engine
-bumps its version, so every response reports the version that produced it.
+takes the learner's version, so every response reports the version that produced it. The step is
+settled (the regression gate's probe forwards, its checkpoint) in the engine thread after its last
+slice, and admin work (a rollback, the list of versions) runs there too (`call`), between engine
+steps: the weights never change under a running step.
 
 Keys: the engine runs choice i of response R as request `R-i`; choice 0 is known as `R`, others
 as `R#i` (what POST /v1/feedback names with `choice_index`).
@@ -24,9 +27,11 @@ as `R#i` (what POST /v1/feedback names with `choice_index`).
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -88,14 +93,55 @@ class Colocated:
         engine.record_when_queued = learner.cfg.record_when_queued
         engine.may_record = self.may_record
         engine.weights_version = learner.version  # a resumed learner has trained already
-        self.slices = TrainingSlices(learner.model, learner.train_step)
-        learner.trainer.pause = self.slices.boundary
+        self._new_slices()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self.owners: dict[str, str] = {}  # engine request id -> the API key (digest) that sent it
         self.serve_s = 0.0  # engine steps' seconds
         self.train_s = 0.0  # training slices' seconds, idle or not
         self.credit_s = 0.0  # training time earned by busy engine steps, not yet used
         self.steps = 0
         self.deferred = 0  # slices not granted because a request waited for its first token
         self.records_refused = 0  # prefills served unrecorded: the credit did not cover recording
+
+    def _new_slices(self) -> None:
+        self.slices = TrainingSlices(self.learner.model, lambda: self.learner.train_step(finish=False))
+        self.learner.trainer.pause = self.slices.boundary
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` in the engine thread between two engine steps (with no training unit
+        running); its result or exception arrives in the future."""
+        fut: Future = Future()
+        self._calls.put((fn, fut))
+        return fut
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(exc)
+
+    def rollback(self, version: int) -> list[int]:
+        """Restore weights `version` (call it through `call`): a training step in progress is
+        abandoned (its feedback stays pending, to train on the restored weights); the versions
+        undone."""
+        kept = self.learner.trainer.kept_versions()
+        if version != self.learner.version and version in kept and self.slices.in_step:
+            self.slices.close()
+            self._new_slices()
+        undone = self.learner.rollback(version)
+        if undone:
+            self._weights_changed()
+        return undone
+
+    def _weights_changed(self) -> None:
+        self.engine.weights_changed()  # cached K/V of other weights is not reused
+        self.engine.weights_version = self.learner.version
 
     def should_record(self, requested: bool) -> bool:
         """Whether to record a request (the --record policy; `requested` is its
@@ -129,8 +175,10 @@ class Colocated:
         """Log the responses that finished, before they are handed to the clients (so feedback
         sent right after a response can always name it)."""
         for out in outputs:
+            owner = self.owners.pop(out.request_id, None) if out.finished else None
             if out.finished and out.finish_reason in ("stop", "length") and out.token_ids is not None:
-                self.learner.on_response(key_of_request(out.request_id), out.prompt_token_ids, out.token_ids)
+                self.learner.on_response(key_of_request(out.request_id), out.prompt_token_ids, out.token_ids,
+                                         owner)
 
     @property
     def busy(self) -> bool:
@@ -160,6 +208,7 @@ class Colocated:
         training has work and time (the engine is idle, or busy steps have earned enough for the
         step's next unit, as long as its last one). Returns the log entry of a training step that
         finished in it."""
+        self._run_calls()
         self.serve_s += seconds
         if seconds > 0:
             self._served.append((self.clock(), seconds))
@@ -202,13 +251,26 @@ class Colocated:
         spent = time.perf_counter() - t
         self.train_s += spent
         if entry is not None:
+            t = time.perf_counter()
+            entry = self.learner.finish(entry)  # here, not in a slice: no turn for serving in it
+            spent += time.perf_counter() - t
+            self.train_s += time.perf_counter() - t
             self.steps += 1
-            self.engine.weights_changed()
+            if entry.get("accepted", True):  # an undone update left the served weights as they were
+                self._weights_changed()
         return spent, entry
 
     def close(self) -> None:
-        """Stop training (a step in progress is abandoned; its feedback stays pending)."""
+        """Stop training (a step in progress is abandoned; its feedback stays pending); calls not
+        yet run fail."""
         self.slices.close()
+        while True:
+            try:
+                _, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the engine stopped before this ran"))
         self.learner.trainer.pause = lambda name: None
 
     def metrics(self) -> dict[str, float]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -153,8 +154,15 @@ class RecordStore:
 
     def drop_older_than(self, version: int) -> int:
         """Drop records made before `version` (after a weights update with max_staleness=0)."""
+        return self._drop_versions(lambda v: v < version)
+
+    def drop_newer_than(self, version: int) -> int:
+        """Drop records made after `version` (by weights a rollback to `version` undid)."""
+        return self._drop_versions(lambda v: v > version)
+
+    def _drop_versions(self, which: Callable[[int], bool]) -> int:
         with self.lock:
-            old = [r for r, x in self.records.items() if x.version < version]
+            old = [r for r, x in self.records.items() if which(x.version)]
             for rid in old:
                 self._drop(rid, "stale")
             return len(old)

@@ -33,8 +33,11 @@ import torch
 from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints
 from reclaim.online.embedding_grad import RowGradEmbedding
 from reclaim.online.feedback import Feedback, FeedbackLog
-from reclaim.online.recorder import PromptRecord, record_prompt, recompute_loss, reuse_loss
-from reclaim.online.store import RecordInfo, RecordStore
+from reclaim.online.planner import CostModel, Decision, Sample, plan  # noqa: F401 - re-exported
+from reclaim.online.probe import RegressionGate, load_probes
+from reclaim.online.recorder import PromptRecord, recompute_loss, reuse_loss
+from reclaim.online.store import RecordStore
+from reclaim.online.versions import VersionSnapshots
 from reclaim.optim import adamw
 from reclaim.storage import parse_size
 
@@ -49,7 +52,8 @@ class OnlineTrainConfig:
     """Online training from feedback; names follow transformers' TrainingArguments where they
     exist. Load with `reclaim.config.load_config(OnlineTrainConfig, path_or_name, overrides)`."""
 
-    output_dir: str = "runs/online"
+    # `{model}` becomes the served model's name (`for_model`), so each model has its own run
+    output_dir: str = "runs/online/{model}"
     feedback_db: str | None = None  # None: output_dir/feedback.db
     per_device_train_batch_size: int = 8
     # samples per forward + backward within a step (0: the whole batch at once); 1 lets training
@@ -79,12 +83,17 @@ class OnlineTrainConfig:
     max_staleness: int = 0  # weights versions a record may lag; 0: only exact reuse
     cost_model: str = "measure"  # measure (at start-up) | reuse | recompute (always)
     seed: int = 42
+    # weights versions kept in host memory for rollback and the gate (trainable parameters and
+    # optimizer state: 3x the weights each for full fine-tuning); 0: rollback to checkpoints only
+    keep_versions: int = 0
+    probe_path: str | None = None  # held-out JSON lines ({"prompt", "answer"} or {"text"})
+    max_probe_regression: float = 0.05  # nats per token an update may add to the probe loss
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size < 1:
             raise ValueError(f"per_device_train_batch_size={self.per_device_train_batch_size}: "
                              "must be >= 1")
-        for name in ("save_steps", "max_staleness", "lora_r", "micro_batch_size"):
+        for name in ("save_steps", "max_staleness", "lora_r", "micro_batch_size", "keep_versions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.cost_model not in COST_MODELS:
@@ -92,6 +101,19 @@ class OnlineTrainConfig:
         record_policy(self.record)
         for name in ("record_budget", "record_host_budget"):
             parse_size(getattr(self, name))
+        if not self.max_probe_regression >= 0:
+            raise ValueError(f"max_probe_regression={self.max_probe_regression}; allowed: >= 0 "
+                             "(nats per token)")
+        if self.probe_path is not None and self.keep_versions < 2:
+            raise ValueError(f"keep_versions={self.keep_versions} with probe_path: the gate undoes "
+                             "an update from the version before it, so keep at least 2")
+
+    def for_model(self, name: str) -> "OnlineTrainConfig":
+        """This config with `{model}` in output_dir and feedback_db replaced by `name` (its last
+        path part, so a model given as a path names a directory, not a subtree)."""
+        safe = Path(name.rstrip("/")).name or "model"
+        return replace(self, output_dir=self.output_dir.replace("{model}", safe),
+                       feedback_db=self.feedback_db and self.feedback_db.replace("{model}", safe))
 
     @property
     def feedback_path(self) -> Path:
@@ -113,148 +135,6 @@ def record_policy(policy: str) -> Callable[[bool], bool]:
             rng = random.Random(0)
             return lambda requested: requested or rng.random() < f
     raise ValueError(f"record={policy!r}; allowed: 'all', 'requested', 'fraction:F' with 0 <= F <= 1")
-
-
-# ---- cost model and planner ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CostModel:
-    """What reusing a sample's record saves and costs, in seconds. Reuse skips the prompt's
-    forward, forward_fixed_s + forward_s_per_token * P for P prompt tokens (the backward is the
-    same either way), and pays reuse_overhead_s (attaching the record) plus reload_s_per_byte
-    per byte of a record offloaded to host memory. The planner reuses when it saves more.
-    Serving pays for a record too (`record_extra_s`): the prefill's forward with autograd over
-    the inference one, plus a forward of its own for the decode rows of that engine step (a
-    recorded prefill is not batched with them), inference_fixed_s."""
-
-    forward_fixed_s: float
-    forward_s_per_token: float
-    reuse_overhead_s: float
-    reload_s_per_byte: float
-    inference_fixed_s: float = 0.0
-    inference_s_per_token: float = 0.0
-
-    def saved_s(self, prompt_tokens: int) -> float:
-        return self.forward_fixed_s + self.forward_s_per_token * prompt_tokens
-
-    def record_extra_s(self, prompt_tokens: int) -> float:
-        """Serving seconds recording a prompt of this many tokens adds to its engine step; 0
-        when the inference forward was not measured."""
-        if not (self.inference_fixed_s or self.inference_s_per_token):
-            return 0.0
-        inference = self.inference_fixed_s + self.inference_s_per_token * prompt_tokens
-        return max(self.saved_s(prompt_tokens) - inference, 0.0) + self.inference_fixed_s
-
-    def cost_s(self, info: RecordInfo) -> float:
-        reload = info.nbytes * self.reload_s_per_byte if info.where == "host" else 0.0
-        return self.reuse_overhead_s + reload
-
-    @classmethod
-    def fixed(cls, prefer: str) -> "CostModel":
-        """A model that always prefers `prefer` ("reuse" or "recompute")."""
-        return cls(1e9, 0.0, 0.0, 0.0) if prefer == "reuse" else cls(0.0, 0.0, 1e9, 0.0)
-
-    @classmethod
-    def measure(cls, model: torch.nn.Module, prompt_tokens: Sequence[int] = (64, 256),
-                response_tokens: int = 32, repeats: int = 2) -> "CostModel":
-        """Time on `model` the prompt's forward with autograd and without at two prompt lengths
-        (the lines through them), the reuse overhead (a reused step less the recompute step
-        without its prompt forward) at the shorter, and a host reload; the best of `repeats` runs
-        (the machine may be shared)."""
-        vocab = model.config.vocab_size
-        g = torch.Generator().manual_seed(0)
-        dev = next(model.parameters()).device  # token ids are drawn on the CPU, run where the model is
-
-        def best(fn: Callable[[object], object], setup: Callable[[], object] = lambda: None) -> float:
-            out = math.inf
-            for _ in range(repeats):
-                model.zero_grad(set_to_none=True)
-                arg = setup()
-                t = time.perf_counter()
-                fn(arg)
-                if dev.type == "cuda":  # kernels run asynchronously: wait for them
-                    torch.cuda.synchronize(dev)
-                out = min(out, time.perf_counter() - t)
-            return out
-
-        forward, inference = [], []
-        for p in prompt_tokens:
-            ids = torch.randint(vocab, (1, p), generator=g, device=g.device).to(dev)
-            with torch.enable_grad():
-                forward.append(best(lambda _: model(ids, return_hidden=True, compute_logits=False)))
-            with torch.inference_mode():
-                inference.append(best(lambda _: model(ids, return_hidden=True, compute_logits=False)))
-
-        def line(ts: list[float]) -> tuple[float, float]:
-            """(fixed seconds, seconds per token) through the two lengths' times."""
-            slope = max((ts[-1] - ts[0]) / max(prompt_tokens[-1] - prompt_tokens[0], 1), 0.0)
-            return max(ts[0] - slope * prompt_tokens[0], 0.0), slope
-
-        p0, f0 = prompt_tokens[0], forward[0]
-        (fixed, slope), (inf_fixed, inf_slope) = line(forward), line(inference)
-        prompt = torch.randint(vocab, (p0,), generator=g, device=g.device).tolist()
-        resp = torch.randint(vocab, (response_tokens,), generator=g, device=g.device).tolist()
-        with torch.enable_grad():
-            recompute = best(lambda _: recompute_loss(model, [prompt], [resp])[0].backward())
-            reuse = best(lambda rec: reuse_loss(model, [rec], [resp])[0].backward(),
-                         lambda: record_prompt(model, prompt, response_id="probe", version=0))
-        model.zero_grad(set_to_none=True)
-        buf = torch.empty(4 << 20)  # 16 MiB
-        t = time.perf_counter()
-        buf.to(dev, copy=True)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        per_byte = (time.perf_counter() - t) / buf.nbytes
-        return cls(fixed, slope, max(reuse - (recompute - f0), 0.0), per_byte, inf_fixed, inf_slope)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One thing to train on: the prompt and the response tokens the loss is on."""
-
-    feedback_id: int
-    response_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Reuse or recompute one sample, and why: record (exact reuse), record_stale (within
-    max_staleness, gradient stopped at the prompt), no_record, evicted, stale, cost."""
-
-    feedback_id: int
-    response_id: str
-    action: str  # "reuse" | "recompute"
-    reason: str
-    prompt_tokens: int
-    saved_s: float  # the cost model's estimates: the prompt forward reuse skips,
-    cost_s: float | None  # and what reusing the record costs (None: no usable record)
-
-
-def plan(samples: Sequence[Sample], infos: Sequence[RecordInfo], version: int, max_staleness: int,
-         cost: CostModel) -> list[Decision]:
-    """Per sample, reuse its record when it exists, is recent enough and saves more time than
-    it costs."""
-    out = []
-    for s, info in zip(samples, infos, strict=True):
-        p = len(s.prompt_ids)
-        d = Decision(s.feedback_id, s.response_id, "recompute", "", p, cost.saved_s(p), None)
-        if info.status != "present":
-            d = replace(d, reason="no_record" if info.status == "missing" else info.status)
-        elif info.prompt_tokens != p:
-            d = replace(d, reason="no_record")  # a record of another prompt: never attach it
-        elif not 0 <= version - info.version <= max_staleness:
-            d = replace(d, reason="stale")
-        else:
-            d = replace(d, cost_s=cost.cost_s(info))
-            if d.cost_s >= d.saved_s:
-                d = replace(d, reason="cost")
-            else:
-                d = replace(d, action="reuse",
-                            reason="record" if info.version == version else "record_stale")
-        out.append(d)
-    return out
 
 
 # ---- trainer ---------------------------------------------------------------------------------
@@ -286,20 +166,43 @@ def clip_grad_norm_in_parts(params: Sequence[torch.nn.Parameter], max_norm: floa
     return total
 
 
+class VersionNotKept(LookupError):
+    """A rollback to a version that never existed, was undone or is no longer kept (404)."""
+
+
+def model_identity(model: torch.nn.Module, name: str | None) -> dict:
+    """What a checkpoint records of the model it was trained from: its name and shape."""
+    cfg = model.config
+    shape = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size",
+                                                 "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "num_key_value_heads")}
+    return {"name": name, "shape": shape}
+
+
 class OnlineTrainer:
-    """Trains `model` in place from a feedback log, reusing prompt records from a store."""
+    """Trains `model` in place from a feedback log, reusing prompt records from a store.
+
+    model_name: the served model's name, written into checkpoints; resuming refuses a checkpoint
+    of another model. tokenize: turns corrections (and probe texts) into token ids."""
 
     def __init__(self, model: torch.nn.Module, cfg: OnlineTrainConfig, feedback: FeedbackLog,
                  store: RecordStore, *, tokenize: Callable[[str], list[int]] | None = None,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, model_name: str | None = None) -> None:
         self.model, self.cfg, self.feedback, self.store = model, cfg, feedback, store
         self.tokenize = tokenize
+        self.identity = model_identity(model, model_name)
         if cfg.lora_r:
             from reclaim.online.lora import apply_lora
 
             apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules)
         # the embedding's gradient as rows added into .grad: 20% off a 256/128 step on a CPU
         RowGradEmbedding(model)
+        self.gate = None
+        if cfg.probe_path is not None:
+            if tokenize is None:
+                raise ValueError("probe_path needs a tokenize function to read the probe texts")
+            self.gate = RegressionGate(load_probes(cfg.probe_path), tokenize,
+                                       cfg.max_probe_regression, model.config.max_position_embeddings)
         if cost is None:
             cost = CostModel.measure(model) if cfg.cost_model == "measure" else CostModel.fixed(
                 cfg.cost_model)
@@ -307,7 +210,9 @@ class OnlineTrainer:
         self.optimizer = adamw([p for p in model.parameters() if p.requires_grad],
                                lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                weight_decay=cfg.weight_decay)
-        self.step = 0  # optimizer steps taken; the weights version is the step
+        self.version = 0  # the weights' version: the step that made them (0: as loaded)
+        self.next_version = 1  # the next step's number: one past every version ever made
+        self.kept = VersionSnapshots(cfg.keep_versions)
         # called where a step may pause with the weights untouched (grads complete, before the
         # optimizer step): co-location hands serving its turn there (slices.TrainingSlices)
         self.pause: Callable[[str], None] = lambda name: None
@@ -317,8 +222,9 @@ class OnlineTrainer:
         self.log_path = self.out / "train_log.jsonl"
 
     @property
-    def version(self) -> int:
-        return self.step
+    def step(self) -> int:
+        """The version of the weights (the step that made them), as checkpoints name it."""
+        return self.version
 
     def sample(self, f: Feedback) -> Sample:
         """The served response (rating 1) or the tokenized correction, after the logged prompt."""
@@ -333,8 +239,14 @@ class OnlineTrainer:
             raise ValueError(f"feedback {f.id}: correction {f.correction!r} tokenizes to nothing")
         return Sample(f.id, f.response_id, r.prompt_ids, ids)
 
-    def train_step(self) -> dict | None:
-        """One optimizer step on the oldest pending feedback; its log entry, or None if none."""
+    def train_step(self, finish: bool = True) -> dict | None:
+        """One optimizer step on the oldest pending feedback; its log entry, or None if none.
+        finish=False leaves the gate, the log line and the checkpoint to `finish(entry)`."""
+        entry = self.update()
+        return self.finish(entry) if finish and entry is not None else entry
+
+    def update(self) -> dict | None:
+        """The optimizer step of `train_step`, unsettled (see `finish`)."""
         batch = self.feedback.pending(limit=self.cfg.per_device_train_batch_size)
         if not batch:
             return None
@@ -381,35 +293,130 @@ class OnlineTrainer:
             clip_grad_norm_in_parts(list(self.model.parameters()), self.cfg.max_grad_norm, self.pause)
         self.pause("optimizer")
         self.optimizer.step()  # from here to the return, nothing pauses: the weights are new
-        self.step += 1
-        self.feedback.mark_trained([s.feedback_id for s in samples], self.step)
+        parent, self.version = self.version, self.next_version
+        self.next_version += 1
+        self.feedback.mark_trained([s.feedback_id for s in samples], self.version, parent)
+        self.kept.take(self.version, self.model, self.optimizer)
         self.store.drop_older_than(self.version - self.cfg.max_staleness)
         for d in decisions:
             self.counts[d.action] += 1
             self.counts[f"{d.action}:{d.reason}"] += 1
-        entry = dict(step=self.step, loss=loss / tokens, tokens=tokens,
-                     seconds=time.perf_counter() - t0,
-                     feedback_ids=[s.feedback_id for s in samples],
-                     decisions=[asdict(d) for d in decisions])
+        return dict(step=self.version, parent=parent, loss=loss / tokens, tokens=tokens,
+                    seconds=time.perf_counter() - t0,
+                    feedback_ids=[s.feedback_id for s in samples],
+                    decisions=[asdict(d) for d in decisions])
+
+    def finish(self, entry: dict) -> dict:
+        """Settle a step `train_step` made: with a probe set, its loss decides whether the update
+        stays (else it is undone and its feedback quarantined); then the log line and, every
+        save_steps, a checkpoint. Runs where serving does not (between engine steps): the probe
+        forwards must not hand serving a turn with weights it has not been told of."""
+        if self.gate is not None:
+            verdict = self.gate.check(self.model)
+            entry.update(probe_loss_before=verdict.before, probe_loss=verdict.after,
+                         accepted=verdict.accepted)
+            if not verdict.accepted:
+                self.kept.restore(entry["parent"], self.model, self.optimizer)
+                self.kept.drop([self.version])
+                self.feedback.reject([self.version], "quarantined")
+                self.store.drop_newer_than(entry["parent"])
+                self.version = entry["parent"]
+                self.counts["quarantined_steps"] += 1
+                log.warning("online step %d undone: the probe loss rose from %.4f to %.4f (allowed: "
+                            "+%g); its %d feedback quarantined, weights back to version %d",
+                            entry["step"], verdict.before, verdict.after,
+                            self.cfg.max_probe_regression, len(entry["feedback_ids"]), self.version)
         with open(self.log_path, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
-        log.info("online step %d: loss %.4f on %d tokens, %d reused, %d recomputed", self.step,
-                 entry["loss"], tokens, len(reused), len(recomputed))
-        if self.cfg.save_steps and self.step % self.cfg.save_steps == 0:
+        log.info("online step %d: loss %.4f on %d tokens", entry["step"], entry["loss"],
+                 entry["tokens"])
+        if entry.get("accepted", True) and self.cfg.save_steps and \
+                self.version % self.cfg.save_steps == 0:
             self.save()
         return entry
 
     def metrics(self) -> dict[str, float]:
-        """Decision counts (reuse, recompute, and per reason), reuse rate, step."""
+        """Decision counts (reuse, recompute, and per reason), reuse rate, step, and with a probe
+        set its loss and the updates it accepted and undid."""
         n = self.counts["reuse"] + self.counts["recompute"]
-        return dict(step=self.step, reuse_rate=self.counts["reuse"] / n if n else 0.0,
-                    **self.counts)
+        out = dict(step=self.version, reuse_rate=self.counts["reuse"] / n if n else 0.0,
+                   **self.counts)
+        if self.gate is not None:
+            out.update(probe_loss=self.gate.loss if self.gate.loss is not None else math.nan,
+                       probe_accepted=self.gate.accepted, probe_rejected=self.gate.rejected)
+        return out
+
+    # ---- versions ----------------------------------------------------------------------------
+
+    def kept_versions(self) -> dict[int, str]:
+        """Versions a rollback can restore -> where they are kept ("memory" or "checkpoint")."""
+        out = {self._version_of(p): "checkpoint" for p in self.checkpoints()}
+        out.update({v: "memory" for v in self.kept.versions()})
+        return dict(sorted(out.items()))
+
+    def versions(self) -> list[dict]:
+        """Every version on the current line (0 first, the current last), with its parent and
+        where it is kept (None: not kept)."""
+        parents, kept = self.feedback.parents(), self.kept_versions()
+        line, v = [], self.version
+        while True:
+            line.append(dict(version=v, parent=parents.get(v), kept=kept.get(v),
+                             current=v == self.version))
+            if v == 0 or v not in parents:
+                break
+            v = parents[v]
+        return line[::-1]
+
+    def rollback(self, version: int, reason: str = "rollback") -> list[int]:
+        """Restore `version` in place (weights and optimizer state, bit for bit) and reject the
+        versions after it and the feedback they trained; returns the versions undone. Raises
+        VersionNotKept naming the versions kept."""
+        kept = self.kept_versions()
+        if isinstance(version, bool) or not isinstance(version, int) or version not in kept:
+            raise VersionNotKept(f"version {version!r} is not kept; kept: {list(kept)} (the current "
+                                 f"is {self.version}; a version undone by a rollback is gone)")
+        parents, undone, v = self.feedback.parents(), [], self.version
+        while v != version:  # a kept version is on the current line: the walk reaches it
+            undone.append(v)
+            v = parents.get(v, v - 1)
+        self.feedback.reject(undone, reason)  # durable first: a crash from here resumes past it
+        for path in self.checkpoints():
+            if self._version_of(path) in undone:
+                self._remove(path)
+        if kept[version] == "memory":
+            self.kept.restore(version, self.model, self.optimizer)
+        else:
+            self._load(self.out / f"{CHECKPOINT_PREFIX}{version}")
+        self.kept.drop(undone)
+        self.store.drop_newer_than(version)
+        self.version = version
+        if version not in self.kept.snapshots:  # so the next step can be undone too
+            self.kept.take(version, self.model, self.optimizer)
+        if self.gate is not None:
+            self.gate.reset(self.model)
+        if undone:
+            log.warning("online weights rolled back to version %d: versions %s undone, their "
+                        "feedback rejected", version, undone)
+        return undone
 
     # ---- checkpoints -------------------------------------------------------------------------
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoint-{step} directories, oldest first."""
         return checkpoints(self.out)
+
+    @staticmethod
+    def _version_of(path: Path) -> int:
+        return int(path.name.removeprefix(CHECKPOINT_PREFIX))
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        """Remove a checkpoint: renamed away first (atomic), so a crash midway leaves no
+        half-deleted checkpoint for a restart to load."""
+        gone = path.parent / f".{path.name}.removed"
+        shutil.rmtree(gone, ignore_errors=True)
+        path.rename(gone)
+        shutil.rmtree(gone, ignore_errors=True)
 
     def save(self) -> Path:
         """Write checkpoint-{step}/ (HF model dir, optimizer, trainer_state.json) atomically."""
@@ -430,54 +437,92 @@ class OnlineTrainer:
             else:
                 write_weights(self.model, cfg, tmp, MAX_SHARD_SIZE)
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            state = dict(step=self.step, version=self.version, counts=dict(self.counts))
+            state = dict(step=self.version, version=self.version, counts=dict(self.counts),
+                         model=self.identity)
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
-        path = atomic_dir(self.out / f"{CHECKPOINT_PREFIX}{self.step}", write)
+        path = atomic_dir(self.out / f"{CHECKPOINT_PREFIX}{self.version}", write)
         if self.cfg.save_total_limit:
             for old in self.checkpoints()[:-self.cfg.save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def resume(self) -> int:
-        """Load the latest checkpoint (none: keep the model as given, step 0), reopen feedback
-        trained by later steps and drop their log lines; returns the step resumed at."""
+    def _load(self, path: Path) -> dict:
+        """Load a checkpoint's weights and optimizer state (refusing another model's); returns
+        its trainer state."""
         from reclaim.models.loading import SafetensorsSource
 
-        found = self.checkpoints()
-        if found:
-            last = found[-1]
-            state = json.loads((last / "trainer_state.json").read_text())
-            has_adapter = (last / ADAPTER_FILE).exists()
-            if has_adapter != bool(self.cfg.lora_r):
-                raise ValueError(f"{str(last)!r} was written {'with' if has_adapter else 'without'}"
-                                 f" LoRA adapters but lora_r={self.cfg.lora_r}; resume with the "
-                                 "run's own lora settings")
-            if has_adapter:
-                from safetensors.torch import load_file
+        state = json.loads((path / "trainer_state.json").read_text())
+        saved = state.get("model")
+        if saved is not None and (saved["shape"] != self.identity["shape"] or (
+                saved["name"] and self.identity["name"] and saved["name"] != self.identity["name"])):
+            raise ValueError(f"checkpoint {str(path)!r} is of model {saved['name']!r} "
+                             f"({saved['shape']}), not of the served {self.identity['name']!r} "
+                             f"({self.identity['shape']}); give each model its own output_dir "
+                             "(the default, runs/online/{model}, is one per model)")
+        has_adapter = (path / ADAPTER_FILE).exists()
+        if has_adapter != bool(self.cfg.lora_r):
+            raise ValueError(f"{str(path)!r} was written {'with' if has_adapter else 'without'}"
+                             f" LoRA adapters but lora_r={self.cfg.lora_r}; resume with the "
+                             "run's own lora settings")
+        if has_adapter:
+            from safetensors.torch import load_file
 
-                src = load_file(last / ADAPTER_FILE)
-                trained = {n: p for n, p in self.model.named_parameters() if ".lora_" in n}
-            else:
-                src, trained = SafetensorsSource(last), dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, p in trained.items():
-                    p.copy_(src[name])
-            self.optimizer.load_state_dict(torch.load(last / "optimizer.pt"))
-            self.step = state["step"]
+            src = load_file(path / ADAPTER_FILE)
+            trained = {n: p for n, p in self.model.named_parameters() if ".lora_" in n}
+        else:
+            src, trained = SafetensorsSource(path), dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in trained.items():
+                p.copy_(src[name])
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt"))
+        return state
+
+    def resume(self, rollback_to: int | None = None) -> int:
+        """Load the latest checkpoint (none: keep the model as given, version 0), reopen feedback
+        trained by later steps and drop their log lines. With `rollback_to` (a checkpoint's
+        version, or 0: the model as given), first reject every version after it and their
+        feedback, as `rollback` does. Returns the version resumed at."""
+        found = []
+        for path in self.checkpoints():  # a crash during a rollback may leave undone ones
+            undone = self._version_of(path) in self.feedback.rejected_versions()
+            (self._remove if undone else found.append)(path)
+        if rollback_to is not None:
+            kept = [0] + [self._version_of(p) for p in found]
+            if isinstance(rollback_to, bool) or rollback_to not in kept:
+                raise VersionNotKept(f"--rollback-to {rollback_to!r}: no such version kept; at "
+                                     f"start-up kept: {kept} (0: the model as given, the others "
+                                     f"checkpoints in {str(self.out)!r})")
+            undone = sorted(v for v in self.feedback.parents() if v > rollback_to)
+            n = self.feedback.reject(undone, "rollback")
+            for path in found:
+                if self._version_of(path) > rollback_to:
+                    self._remove(path)
+            found = [p for p in found if self._version_of(p) <= rollback_to]
+            log.warning("online weights rolled back to version %d at start-up: versions %s undone, "
+                        "%d feedback rejected", rollback_to, undone, n)
+        if found:
+            state = self._load(found[-1])
+            self.version = state["step"]
             self.counts = Counter(state.get("counts", {}))
-        reopened = self.feedback.unmark_after(self.step)
+        rejected = self.feedback.rejected_versions()
+        reopened = self.feedback.unmark_after(self.version)
+        self.next_version = max(self.feedback.last_version(), self.version) + 1
         if self.log_path.exists():
             keep = []
             for line in self.log_path.read_text().splitlines():
                 try:
-                    if json.loads(line)["step"] <= self.step:
-                        keep.append(line)
+                    step = json.loads(line)["step"]
                 except json.JSONDecodeError:  # a line torn by the crash
                     continue
+                if step <= self.version or step in rejected:
+                    keep.append(line)
             self.log_path.write_text("".join(ln + "\n" for ln in keep))
-        log.info("online trainer resumed at step %d; %d feedback reopened", self.step, reopened)
-        return self.step
+        log.info("online trainer resumed at version %d; %d feedback reopened", self.version, reopened)
+        self.kept.take(self.version, self.model, self.optimizer)
+        if self.gate is not None:
+            self.gate.reset(self.model)
+        return self.version
 
 
 class _Weights:

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes, health and metrics, and the gate in front of them.
 
-The gate (a plain ASGI middleware, so streams pass through untouched) checks the API key, turns
-requests away with 503 while the server drains for shutdown, and counts responses by status.
+The gate (a plain ASGI middleware, so streams pass through untouched) checks the API key (and
+notes which key, or the admin key, a request came with), turns requests away with 503 while the
+server drains for shutdown, and counts responses by status.
 JSON validation, chat templating, tokenizing and rendering whole responses run in a small thread
 pool, never on the event loop, so one huge body cannot stall `/health` or other streams.
 """
@@ -9,6 +10,7 @@ pool, never on the event loop, so one huge body cannot stall `/health` or other 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -31,11 +33,14 @@ from reclaim.server.plan import (Limits, Plan, detokenize_body, plan_chat, plan_
                                  tokenize_body)
 from reclaim.server.responses import TokenText, collect, stream_body
 from reclaim.server.engine_thread import EngineFailure, EngineThread, Generation
-from reclaim.server.schemas import ChatCompletionRequest, CompletionRequest, FeedbackRequest, parse
+from reclaim.server.ratelimit import RateLimiter
+from reclaim.server.schemas import (ChatCompletionRequest, CompletionRequest, FeedbackRequest,
+                                    RollbackRequest, parse)
 from reclaim.server.structured import GrammarCompiler
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{id}", "/health",
-          "/metrics", "/tokenize", "/detokenize", "/version", "/v1/feedback")
+          "/metrics", "/tokenize", "/detokenize", "/version", "/v1/feedback", "/v1/weights",
+          "/v1/weights/rollback")
 OPEN_ROUTES = ("/health",)  # reachable without the API key
 DRAIN_EXEMPT = ("/metrics",)  # still answered while draining
 # Threads that validate, template and tokenize requests: a few, so a burst of huge bodies
@@ -48,11 +53,39 @@ access_log = logging.getLogger("reclaim.access")  # one line per request (--disa
 
 @dataclass
 class ServerState:
-    """Mutable state the gate and routes share."""
+    """Mutable state the gate and routes share.
+
+    api_key: one key, or several separated by commas (each client its own: feedback on a response
+    is taken only from the key that asked for it); admin_key: also passes the gate, and alone may
+    roll weights back and give feedback on any response; feedback_limit: per-key feedback rate."""
 
     api_key: str | None = None
     draining: bool = False
     access_log: bool = True
+    admin_key: str | None = None
+    feedback_limit: RateLimiter | None = None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: `key` a digest of its API key (None: no key needed), `admin` whether
+    it was the admin key."""
+
+    key: str | None
+    admin: bool = False
+
+
+def key_digest(key: str) -> str:
+    """The name a key is known by in logs and the feedback log: never the key itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def caller_of(request: Request) -> Caller:
+    return request.scope.get("reclaim.caller") or Caller(None)
 
 
 class Gate:
@@ -112,10 +145,15 @@ class Gate:
 
     def _refusal(self, scope: dict) -> APIError | None:
         path = scope["path"]
-        key = self.state.api_key
-        if key is not None and path not in OPEN_ROUTES:
+        keys, admin = self.state.keys, self.state.admin_key
+        if (keys or admin) and path not in OPEN_ROUTES:
             given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
-            if not hmac.compare_digest(given, key.encode()):
+            matched = [k for k in keys if hmac.compare_digest(given, k.encode())]
+            if admin and hmac.compare_digest(given, admin.encode()):
+                scope["reclaim.caller"] = Caller(key_digest(admin), admin=True)
+            elif matched:
+                scope["reclaim.caller"] = Caller(key_digest(matched[0]))
+            elif keys:
                 return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'")
         if self.state.draining and path not in DRAIN_EXEMPT:
             return APIError(503, "the server is shutting down and admits no new requests")
@@ -264,7 +302,8 @@ def create_app(runner: EngineThread, tokenizer: Any, limits: Limits,
                            "--learn`", param="retain_for_training")
         record = learner is not None and learner.should_record(plan.retain_for_training)
         try:
-            gen = runner.submit(plan.response_id, plan.prompts, plan.params, record=record)
+            gen = runner.submit(plan.response_id, plan.prompts, plan.params, record=record,
+                                owner=caller_of(request).key)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         except EngineFailure as exc:
@@ -297,26 +336,81 @@ def create_app(runner: EngineThread, tokenizer: Any, limits: Limits,
                 "max_model_len": limits.max_model_len,
                 "weights_version": runner.engine.weights_version}
 
+    def learner_or_refuse():
+        if runner.learner is None:
+            raise APIError(400, "this server does not learn from feedback; start it with `reclaim serve --learn`")
+        return runner.learner
+
     @app.post("/v1/feedback")
     async def feedback(request: Request):
-        """A rating (-1, 0, 1) or a correction of a served response; durable before the answer."""
+        """A rating (-1, 0, 1) or a correction of a served response; durable before the answer.
+        With API keys, only from the key that asked for the response (or the admin key)."""
         from reclaim.online.colocate import response_key
-        from reclaim.online.feedback import FeedbackError, UnknownResponse
+        from reclaim.online.feedback import FeedbackError, NotOwner, UnknownResponse
 
+        check_json(request)
+        caller = caller_of(request)
+        if state.feedback_limit is not None and not caller.admin:
+            client = request.client
+            who = caller.key or f"client {client.host if client else '?'}"
+            wait = state.feedback_limit.take(who)
+            if wait:
+                raise APIError(429, f"too much feedback from {who}: at most "
+                               f"{state.feedback_limit.rate * 60:g} a minute; retry in {wait:.1f} s",
+                               retry_after=wait)
         req = parse(await read_body(request, limits.max_body_bytes), FeedbackRequest)
-        learner = runner.learner
-        if learner is None:
-            raise APIError(400, "this server does not learn from feedback; start it with `reclaim serve --learn`")
+        learner = learner_or_refuse()
         key = response_key(req.response_id, req.choice_index)
         try:
-            fid = await asyncio.to_thread(learner.learner.feedback, key, req.rating, req.correction)
+            fid = await asyncio.to_thread(learner.learner.feedback, key, req.rating, req.correction,
+                                          caller=caller.key, admin=caller.admin)
         except UnknownResponse as exc:
             raise APIError(404, f"no finished response {key!r} to give feedback on: {exc}", param="response_id",
                            code="response_not_found") from exc
+        except NotOwner as exc:
+            raise APIError(403, str(exc), param="response_id") from exc
         except FeedbackError as exc:
             raise APIError(400, str(exc), param="correction") from exc
         return {"id": fid, "object": "feedback", "response_id": req.response_id, "choice_index": req.choice_index,
                 "status": "accepted"}
+
+    async def between_steps(fn: Callable) -> Any:
+        """Run fn in the engine thread between two engine steps (weights are not in use)."""
+        if not runner.alive:
+            raise APIError(503, "the engine loop is not running")
+        return await asyncio.wrap_future(runner.learner.call(fn))
+
+    @app.get("/v1/weights")
+    async def weights():
+        """The weights versions: the current line (oldest first) and where each is kept."""
+        colocated = learner_or_refuse()
+        line = await between_steps(colocated.learner.versions)
+        rejected = colocated.learner.log.rejected_versions()
+        return {"object": "list", "current": runner.engine.weights_version,
+                "data": [{"object": "weights.version", **v} for v in line],
+                "rejected": [{"version": v, "reason": r} for v, r in sorted(rejected.items())]}
+
+    @app.post("/v1/weights/rollback")
+    async def rollback(request: Request):
+        """Restore a kept weights version in place (admin key); the feedback trained after it
+        is rejected."""
+        from reclaim.online.trainer import VersionNotKept
+
+        check_json(request)
+        colocated = learner_or_refuse()
+        if state.admin_key is None:
+            raise APIError(403, "rolling weights back needs the admin key; start the server with "
+                           "--admin-key (or RECLAIM_ADMIN_KEY)")
+        if not caller_of(request).admin:
+            raise APIError(403, "rolling weights back needs the admin key; send 'Authorization: "
+                           "Bearer <admin key>'")
+        req = parse(await read_body(request, limits.max_body_bytes), RollbackRequest)
+        try:
+            undone = await between_steps(lambda: colocated.rollback(req.version))
+        except VersionNotKept as exc:
+            raise APIError(404, str(exc), param="version", code="version_not_found") from exc
+        return {"object": "weights.rollback", "version": req.version, "undone": undone,
+                "weights_version": runner.engine.weights_version}
 
     @app.get("/v1/models")
     async def models():

@@ -106,9 +106,11 @@ class EngineThread:
     # ---- requests (event-loop thread) ----
 
     def submit(self, request_id: str, prompts: list[list[int]],
-               params: list[SamplingParams], record: bool = False) -> Generation:
+               params: list[SamplingParams], record: bool = False,
+               owner: str | None = None) -> Generation:
         """Queue one engine request per (prompt, params) pair, ids `{request_id}-{i}`; `record`
-        asks for their prefills to be recorded for training (with --learn).
+        asks for their prefills to be recorded for training (with --learn); `owner` (the API key
+        that sent it, as a digest) is logged with the responses, for feedback to be checked against.
 
         Raises ValueError (nothing left queued) if the engine refuses any of them.
         """
@@ -122,6 +124,8 @@ class EngineThread:
                 self._sinks[rid] = gen
                 gen.pending.add(rid)
                 self._timing[rid] = _Timing(now)
+                if owner is not None and self.learner is not None:
+                    self.learner.owners[rid] = owner
                 self.engine.add_request(rid, prompt, p, record=record)
         except Exception:
             gen.abort()
@@ -132,6 +136,8 @@ class EngineThread:
 
     def abort(self, request_id: str) -> None:
         """Stop one engine request; its outputs are dropped from here on."""
+        if self.learner is not None:
+            self.learner.owners.pop(request_id, None)
         if self._sinks.pop(request_id, None) is not None:
             self._timing.pop(request_id, None)
             self.metrics.requests_finished.inc(1, ("abort",))

@@ -7,6 +7,7 @@ unexpected exception becomes a logged 500 and the server keeps serving.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,11 +22,13 @@ log = logging.getLogger("reclaim.server")
 ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
     401: ("invalid_request_error", "invalid_api_key"),
+    403: ("invalid_request_error", "permission_denied"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "unsupported_media_type"),
+    429: ("invalid_request_error", "rate_limit_exceeded"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "service_unavailable"),
 }
@@ -35,9 +38,10 @@ class APIError(Exception):
     """A request failure with its HTTP status and the OpenAI error fields."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429, 503)
         kind, default_code = ERROR_KINDS.get(status, ("invalid_request_error", None))
         self.type, self.code = kind, code or default_code
 
@@ -46,8 +50,10 @@ class APIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")

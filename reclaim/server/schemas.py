@@ -370,6 +370,13 @@ def parse(raw: bytes, schema: type[BaseModel]) -> Any:
         raise validation_error(exc, schema) from None
 
 
+class RollbackRequest(BaseModel):
+    """POST /v1/weights/rollback (serve --learn, admin key): the weights version to restore."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    version: int = Field(ge=0)
+
+
 class FeedbackRequest(BaseModel):
     """POST /v1/feedback (serve --learn): a rating of a served response, or a correction of it."""
 

@@ -25,21 +25,33 @@ from reclaim.server.connections import (ConnectionLimits, QuietInvalidHTTP, guar
                                         quiet_accept_errors)
 from reclaim.server.metrics import ServerMetrics
 from reclaim.server.plan import Limits, max_token_chars
+from reclaim.server.ratelimit import RateLimiter
 from reclaim.server.engine_thread import EngineThread
 
 log = logging.getLogger("reclaim.server")
+
+
+class LearnerRefused(ValueError):
+    """`--learn` could not start: its run directory or flags do not fit the served model (another
+    model's checkpoint, a version to roll back to that is not kept, a bad probe set)."""
 
 
 def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_config: EngineConfig,
               *, api_key: str | None = None, max_n: int = 16, max_body_bytes: int = 4 << 20,
               split_special_tokens: bool = False, allowed_origins: tuple[str, ...] = (),
               force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
-              max_ttft_slowdown: float = 0.1):
+              max_ttft_slowdown: float = 0.1, admin_key: str | None = None,
+              feedback_rate_limit: float = 120.0, rollback_to: int | None = None,
+              model_id: str | None = None):
     """The FastAPI app serving `model`; returns (app, runner, state).
 
     force_include_usage: usage in every stream, asked for or not; access_log: one INFO line per
     request on the `reclaim.access` logger. learn: an OnlineTrainConfig to learn from feedback
-    while serving (`serve --learn`), training between engine steps within max_ttft_slowdown.
+    while serving (`serve --learn`), training between engine steps within max_ttft_slowdown; its
+    `{model}` is model_id (default: the first served name), checkpoints of another model are
+    refused; rollback_to: a weights version to roll back to at start-up. admin_key: may roll
+    weights back and rate any response; feedback_rate_limit: feedback a minute per key (0: no
+    limit).
     """
     from reclaim.engine.engine import Engine
 
@@ -51,7 +63,12 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_c
         from reclaim.online.colocate import Colocated
         from reclaim.online.learner import OnlineLearner
 
-        learner = OnlineLearner(model, learn, tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False))
+        name = model_id or model_names[0]
+        try:
+            learner = OnlineLearner(model, learn.for_model(name), model_name=name, rollback_to=rollback_to,
+                                    tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False))
+        except (ValueError, LookupError) as exc:  # the run dir or flags, not a bug: one line for it
+            raise LearnerRefused(str(exc)) from exc
         colocated = Colocated(learner, engine, max_ttft_slowdown=max_ttft_slowdown)
     runner = EngineThread(engine, ServerMetrics(), learner=colocated)
     limits = Limits(model_names=model_names, max_model_len=engine.max_model_len,
@@ -59,7 +76,8 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_c
                     split_special_tokens=split_special_tokens,
                     max_token_chars=max_token_chars(tokenizer),
                     force_include_usage=force_include_usage)
-    state = ServerState(api_key=api_key, access_log=access_log)
+    state = ServerState(api_key=api_key, access_log=access_log, admin_key=admin_key,
+                        feedback_limit=RateLimiter(feedback_rate_limit) if feedback_rate_limit else None)
     app = create_app(runner, tokenizer, limits, state, allowed_origins=allowed_origins)
     return app, runner, state
 
@@ -138,7 +156,9 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", connections: ConnectionLimits | None = None,
           allowed_origins: tuple[str, ...] = (), split_special_tokens: bool = False,
           force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
-          max_ttft_slowdown: float = 0.1, save_suffix_history: str | None = None) -> int:
+          max_ttft_slowdown: float = 0.1, save_suffix_history: str | None = None,
+          admin_key: str | None = None, feedback_rate_limit: float = 120.0,
+          rollback_to: int | None = None) -> int:
     """Load `model` (a directory, or None for the default) and serve it until SIGTERM/SIGINT;
     with `learn` (an OnlineTrainConfig), also learn from feedback on the responses. With
     `save_suffix_history`, the history drafter's recent outputs are written there at shutdown
@@ -157,11 +177,17 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     names = (served_model_name or (model if model else Path(path).name),)
     if model is None:
         names += ("default",)
-    app, runner, state = build_app(weights, tokenizer, names, engine_config,
-                                   api_key=api_key, allowed_origins=allowed_origins,
-                                   split_special_tokens=split_special_tokens,
-                                   force_include_usage=force_include_usage, access_log=access_log,
-                                   learn=learn, max_ttft_slowdown=max_ttft_slowdown)
+    try:
+        app, runner, state = build_app(weights, tokenizer, names, engine_config,
+                                       api_key=api_key, allowed_origins=allowed_origins,
+                                       split_special_tokens=split_special_tokens,
+                                       force_include_usage=force_include_usage, access_log=access_log,
+                                       learn=learn, max_ttft_slowdown=max_ttft_slowdown,
+                                       admin_key=admin_key, feedback_rate_limit=feedback_rate_limit,
+                                       rollback_to=rollback_to, model_id=Path(path).name)
+    except LearnerRefused as exc:
+        log.error("not serving: %s", exc)
+        return 2
     connections = connections or ConnectionLimits()
     raise_file_limit(connections)
     config = uvicorn_config(app, connections, runner.metrics, host=host, port=port,

@@ -111,7 +111,7 @@ def test_a_busy_engine_lends_training_only_its_max_ttft_slowdown(tmp_path):
     entry = None
     while entry is None:
         entry = strict.after_step(0.0)
-    assert learner.version == 1 and state.changed == 1 and engine.weights_version == 0
+    assert learner.version == 1 and state.changed == 1 and engine.weights_version == 1  # the learner's version
     assert not strict.busy and strict.after_step(0.0) is None
     strict.close()
 
@@ -330,3 +330,31 @@ def test_records_made_under_co_location_do_not_keep_the_learner_alive(tmp_path):
     del learner, colocated, engine
     gc.collect()
     assert [r for r in refs if r() is not None] == []
+
+
+def test_a_rollback_between_engine_steps_abandons_the_step_in_progress(tmp_path):
+    """A rollback while a training step is parked mid-way: the step is abandoned (its feedback
+    stays pending), the weights are the version asked, bit for bit, and training goes on."""
+    learner = learner_with_feedback(tmp_path, "rollback")
+    learner.trainer.kept.keep = 2
+    learner.trainer.kept.take(0, learner.model, learner.trainer.optimizer)
+    v0 = weights(learner.model)
+    engine = SimpleNamespace(model=learner.model, has_unfinished=lambda: False, weights_changed=lambda: 0)
+    colocated = Colocated(learner, engine)
+    assert colocated.train_now()["step"] == 1 and engine.weights_version == 1
+    learner.on_response("r9", token_lists([8], seed=9)[0], [5, 6])
+    learner.feedback("r9", 1, "another answer")
+    parked = colocated.slices
+    parked.grant(0.0)  # the next step starts and parks at its first boundary
+    assert parked.in_step
+    done = colocated.call(lambda: colocated.rollback(0))
+    assert not done.done()  # it waits for the engine thread's next turn
+    colocated._run_calls()  # what after_step does first, between two engine steps
+    assert done.result(timeout=30) == [1] and engine.weights_version == 0
+    assert all(torch.equal(p, q) for p, q in zip(learner.model.parameters(), v0))
+    assert colocated.slices is not parked and not parked.in_step and not colocated.slices.in_step
+    pending = [f.response_id for f in learner.log.pending()]
+    assert pending == ["r9"]  # r0, r1 rejected with version 1; the abandoned step's feedback waits
+    entry = colocated.train_now()
+    assert entry["step"] == 2 and entry["parent"] == 0 and engine.weights_version == 2
+    colocated.close()

@@ -124,3 +124,63 @@ def test_engine_config_refuses_unknown_fields_and_bad_values():
         EngineConfig(block_size=0)
     bad = CliRunner().invoke(app, ["serve", "--engine-config", "/nonexistent/engine.yaml"])
     assert bad.exit_code == 2 and "/nonexistent/engine.yaml" in bad.output
+
+
+def test_learning_flags(captured, monkeypatch, tmp_path):
+    monkeypatch.delenv("RECLAIM_ADMIN_KEY", raising=False)
+    kw = captured("--learn", "--rollback-to", "3", "--feedback-rate-limit", "30",
+                  env={"RECLAIM_ADMIN_KEY": "sk-admin"})
+    assert kw["admin_key"] == "sk-admin" and kw["rollback_to"] == 3 and kw["feedback_rate_limit"] == 30
+    assert kw["learn"].output_dir == "runs/online/{model}"  # keyed by the served model's name
+    kw = captured("--learn")
+    assert kw["admin_key"] is None and kw["rollback_to"] is None and kw["feedback_rate_limit"] == 120
+    probe = tmp_path / "probe.jsonl"
+    probe.write_text('{"text": "fine"}\n')
+    kw = captured("--learn", "--probe-path", str(probe), "--max-probe-regression", "0.1")
+    assert kw["learn"].probe_path == str(probe) and kw["learn"].max_probe_regression == 0.1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rollback-to", "2"], "--rollback-to only applies with --learn"),
+    (["--learn", "--rollback-to", "-1"], "--rollback-to -1: a weights version is >= 0"),
+    (["--feedback-rate-limit", "5"], "--feedback-rate-limit only applies with --learn"),
+    (["--learn", "--probe-path", "PROBE"], "line 2: not JSON"),
+])
+def test_learning_flags_refused(monkeypatch, tmp_path, args, message):
+    monkeypatch.setattr(serve_module, "serve", lambda model, **kw: 0)
+    probe = tmp_path / "probe.jsonl"
+    probe.write_text('{"text": "fine"}\n{"text": \n')
+    result = CliRunner().invoke(app, ["serve", *[str(probe) if a == "PROBE" else a for a in args]],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_a_learner_that_cannot_start_is_refused_in_one_line(tmp_path, caplog):
+    """Another model's checkpoint in the run directory, or --rollback-to a version not kept: the
+    server does not start, and says why in one line naming the models (or the versions kept)."""
+    import torch
+
+    from reclaim.models.loading import save_model
+    from reclaim.online.feedback import FeedbackLog
+    from reclaim.online.store import RecordStore
+    from reclaim.online.trainer import OnlineTrainConfig, OnlineTrainer
+
+    tokenizer = make_tokenizer()
+    model_dir = save_model(make_model(tokenizer), tokenizer, tmp_path / "tiny-a")
+    cfg = OnlineTrainConfig(output_dir=str(tmp_path / "run"), save_steps=1, cost_model="recompute")
+    other = OnlineTrainer(make_model(tokenizer, seed=1), cfg, FeedbackLog(cfg.feedback_path),
+                          RecordStore(), model_name="tiny-b")
+    with torch.no_grad():
+        other.save()
+    engine = EngineConfig(max_model_len=256, num_blocks=64, block_size=16)
+    assert serve_module.serve(str(model_dir), engine_config=engine, learn=cfg, log_level="warning") == 2
+    refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(refused) == 1 and "is of model 'tiny-b'" in refused[0] and "served 'tiny-a'" in refused[0]
+    assert "\n" not in refused[0]
+    caplog.clear()
+    keyed = OnlineTrainConfig(output_dir=str(tmp_path / "runs" / "{model}"), cost_model="recompute")
+    assert serve_module.serve(str(model_dir), engine_config=engine, learn=keyed, rollback_to=7,
+                              log_level="warning") == 2
+    refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert refused == [f"not serving: --rollback-to 7: no such version kept; at start-up kept: [0] (0: the "
+                       f"model as given, the others checkpoints in {str(tmp_path / 'runs' / 'tiny-a')!r})"]
