@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, save_checkpoint, trim_log
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, remove_partial_saves, save_checkpoint, trim_log
 from reclaim.data.tasks import check_source
 from reclaim.drafter.acceptance import greedy_acceptance
 from reclaim.drafter.data import DrafterBuffer, DrafterSample, HiddenRecorder
@@ -216,6 +216,7 @@ def _start(cfg: DrafterTrainConfig) -> tuple[Path, torch.nn.Module, Any]:
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_partial_saves(out)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     target.requires_grad_(False)

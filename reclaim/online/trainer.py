@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, remove_partial_saves
 from reclaim.online.embedding_grad import RowGradEmbedding
 from reclaim.online.feedback import Feedback, FeedbackLog
 from reclaim.online.recorder import PromptRecord, record_prompt, recompute_loss, reuse_loss
@@ -314,6 +314,7 @@ class OnlineTrainer:
         self.counts: Counter[str] = Counter()
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        remove_partial_saves(self.out)
         self.log_path = self.out / "train_log.jsonl"
 
     @property

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from reclaim.checkpoints import (
-    CHECKPOINT_PREFIX, TRAINER_STATE, checkpoints, load_trainer_state, save_grpo_checkpoint, trim_log,
+    CHECKPOINT_PREFIX, TRAINER_STATE, checkpoints, load_trainer_state, run_dir, save_grpo_checkpoint, trim_log,
 )
 from reclaim.drafter.online import OnlineDrafterTrainer
 from reclaim.fsdp import (
@@ -152,7 +152,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     if world.device.type == "cuda":
         cfg = dataclasses.replace(cfg, device=str(world.device))  # this rank's GPU
     try:
-        return _train(cfg, world, progress, log)
+        with run_dir(cfg.output_dir, main=world.is_main):
+            return _train(cfg, world, progress, log)
     finally:
         world.close()
 
@@ -226,9 +227,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     reward_funcs = [load_reward(spec) for spec in cfg.reward_funcs]
     reward_names = [getattr(f, "__name__", spec) if ":" in spec or "." in spec else spec
                     for f, spec in zip(reward_funcs, cfg.reward_funcs)]
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-    world.barrier()
+    world.barrier()  # output_dir exists (run_dir) before any rank writes to it
     last = None
     if cfg.resume_from_checkpoint:
         found = checkpoints(out, require=TRAINER_STATE)

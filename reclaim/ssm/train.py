@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, save_checkpoint, trim_log
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, run_dir, save_checkpoint, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
 from reclaim.ssm.adjoint import RECOMPUTE, adjoint_loss_backward, aligned_labels, chunk_bounds
 
@@ -335,7 +335,8 @@ def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
     ranks = Ranks.from_env()
     device, started = _start(cfg, ranks)
     try:
-        return _train(cfg, tokens, progress, ranks, device)
+        with run_dir(cfg.output_dir, main=ranks.rank == 0):
+            return _train(cfg, tokens, progress, ranks, device)
     finally:
         if started:
             import torch.distributed as dist
@@ -362,7 +363,6 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
 
     out = Path(cfg.output_dir)
     lead = ranks.rank == 0
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = None
     if tokens is None:
         tokenizer = load_tokenizer(default_model_dir() if cfg.tokenizer in DEFAULT_NAMES else cfg.tokenizer)

@@ -382,3 +382,18 @@ def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_di
         cfg = GRPOConfig(model=str(tiny_model_dir), speculative=spec, spec_depths=[3], adaptive=False)
         engine, online = _open_engine(cfg, target, tok, 128, None)
         assert isinstance(engine.proposer, kind) and online is None and engine.speculative is None
+
+
+def test_a_restart_removes_a_killed_save_and_a_failed_start_leaves_no_output_dir(tmp_path):
+    from test_checkpoints import killed_mid_save
+
+    out = tmp_path / "run"
+    out.mkdir()
+    killed_mid_save(out)
+    base = ["grpo", "--config", "grpo-tiny", "--model", str(tmp_path / "no-model")]
+    r = CliRunner().invoke(_app(), base + ["--output_dir", str(out)])
+    assert r.exit_code == 1 and "no-model" in r.output
+    assert list(out.iterdir()) == []  # the temp dir is gone; the directory was the user's, so it stays
+    r = CliRunner().invoke(_app(), base + ["--output_dir", str(tmp_path / "runs" / "new")])
+    assert r.exit_code == 1 and "no-model" in r.output
+    assert not (tmp_path / "runs").exists()

@@ -173,3 +173,17 @@ def test_bad_sharding_configs_say_what_is_allowed(tmp_path, tokens, monkeypatch)
     cfg = T.SSMTrainConfig(output_dir=str(tmp_path), sharding="time", **TINY)
     with pytest.raises(ValueError, match="WORLD_SIZE is 1; launch `torchrun"):
         T.train(cfg, tokens=tokens, progress=False)
+
+
+def test_a_restart_removes_a_killed_save_and_a_failed_start_leaves_no_output_dir(tmp_path, tokens) -> None:
+    from test_checkpoints import killed_mid_save
+
+    out = tmp_path / "run"
+    out.mkdir()
+    killed_mid_save(out)
+    T.train(T.SSMTrainConfig(output_dir=str(out), **{**TINY, "max_steps": 1}), tokens=tokens, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "log.jsonl", "train_config.json"]
+    missing = T.SSMTrainConfig(output_dir=str(tmp_path / "runs" / "b"), model=str(tmp_path / "no-model"), **TINY)
+    with pytest.raises((FileNotFoundError, ValueError)):
+        T.train(missing, tokens=tokens, progress=False)
+    assert not (tmp_path / "runs").exists()
