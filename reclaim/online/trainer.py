@@ -37,6 +37,7 @@ from reclaim.online.recorder import PromptRecord, record_prompt, recompute_loss,
 from reclaim.online.store import RecordInfo, RecordStore
 from reclaim.optim import adamw
 from reclaim.storage import parse_size
+from reclaim.trackers import RunLog, report_to_list
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class OnlineTrainConfig:
     max_staleness: int = 0  # weights versions a record may lag; 0: only exact reuse
     cost_model: str = "measure"  # measure (at start-up) | reuse | recompute (always)
     seed: int = 42
+    report_to: str | list[str] = "none"  # none | tensorboard | wandb | trackio, or a list (reclaim/trackers.py)
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size < 1:
@@ -90,6 +92,7 @@ class OnlineTrainConfig:
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model={self.cost_model!r}; allowed: {list(COST_MODELS)}")
         record_policy(self.record)
+        report_to_list(self.report_to)
         for name in ("record_budget", "record_host_budget"):
             parse_size(getattr(self, name))
 
@@ -316,6 +319,7 @@ class OnlineTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         remove_partial_saves(self.out)
         self.log_path = self.out / "train_log.jsonl"
+        self.run_log: RunLog | None = None  # opened at the first step, once resume() has set the step
 
     @property
     def version(self) -> int:
@@ -392,8 +396,10 @@ class OnlineTrainer:
                      seconds=time.perf_counter() - t0,
                      feedback_ids=[s.feedback_id for s in samples],
                      decisions=[asdict(d) for d in decisions])
-        with open(self.log_path, "a") as fh:
-            fh.write(json.dumps(entry) + "\n")
+        if self.run_log is None:
+            self.run_log = RunLog(self.cfg.report_to, self.out, log_file=self.log_path.name,
+                                  config=asdict(self.cfg), resume_step=self.step - 1)
+        self.run_log.log(entry)
         log.info("online step %d: loss %.4f on %d tokens, %d reused, %d recomputed", self.step,
                  entry["loss"], tokens, len(reused), len(recomputed))
         if self.cfg.save_steps and self.step % self.cfg.save_steps == 0:

@@ -397,3 +397,13 @@ def test_a_restart_removes_a_killed_save_and_a_failed_start_leaves_no_output_dir
     r = CliRunner().invoke(_app(), base + ["--output_dir", str(tmp_path / "runs" / "new")])
     assert r.exit_code == 1 and "no-model" in r.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_report_to_tensorboard_gets_the_logged_metrics(tiny_model_dir, tmp_path, one_thread):
+    from test_trackers import assert_log_in_tensorboard
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(_app(), ["grpo", "--config", "grpo-tiny", "--model", str(tiny_model_dir), "--output_dir",
+                                    str(out), "--max_steps", "2", "--report_to", "tensorboard"])
+    assert r.exit_code == 0, r.output
+    assert_log_in_tensorboard(out, ("reward", "loss", "grad_norm", "learning_rate", "completions/mean_length"))
