@@ -32,6 +32,12 @@ def killed_mid_save(out) -> None:
     assert [p.name.split(".tmp-")[0] for p in out.glob(".checkpoint-*")] == [".checkpoint-7"]
 
 
+def half_written_save(out) -> None:
+    """What killed_mid_save leaves, made without the subprocess (the trainers' tests use it)."""
+    (out / ".checkpoint-7.tmp-0badf00d").mkdir()
+    (out / ".checkpoint-7.tmp-0badf00d" / "model.safetensors").write_bytes(b"w" * 4096)
+
+
 def test_a_killed_save_leaves_a_temp_dir_that_the_next_start_removes(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

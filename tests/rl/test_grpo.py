@@ -385,11 +385,11 @@ def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_di
 
 
 def test_a_restart_removes_a_killed_save_and_a_failed_start_leaves_no_output_dir(tmp_path):
-    from test_checkpoints import killed_mid_save
+    from test_checkpoints import half_written_save
 
     out = tmp_path / "run"
     out.mkdir()
-    killed_mid_save(out)
+    half_written_save(out)
     base = ["grpo", "--config", "grpo-tiny", "--model", str(tmp_path / "no-model")]
     r = CliRunner().invoke(_app(), base + ["--output_dir", str(out)])
     assert r.exit_code == 1 and "no-model" in r.output

@@ -176,11 +176,11 @@ def test_bad_sharding_configs_say_what_is_allowed(tmp_path, tokens, monkeypatch)
 
 
 def test_a_restart_removes_a_killed_save_and_a_failed_start_leaves_no_output_dir(tmp_path, tokens) -> None:
-    from test_checkpoints import killed_mid_save
+    from test_checkpoints import half_written_save
 
     out = tmp_path / "run"
     out.mkdir()
-    killed_mid_save(out)
+    half_written_save(out)
     T.train(T.SSMTrainConfig(output_dir=str(out), **{**TINY, "max_steps": 1}), tokens=tokens, progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "log.jsonl", "train_config.json"]
     missing = T.SSMTrainConfig(output_dir=str(tmp_path / "runs" / "b"), model=str(tmp_path / "no-model"), **TINY)
