@@ -1,4 +1,5 @@
-"""The run directory every trainer shares: `checkpoint-{step}/` directories and a JSON-lines log.
+"""The run directory every trainer shares: `checkpoint-{step}/` directories and a JSON-lines log;
+made by `run_dir`, which removes what a crashed save left and what a run that failed at once made.
 
 ssm-train, grpo and drafter train write and list their checkpoints and, on resume, drop the log lines
 written after the checkpoint they continue from, the same way; this is that one way. GRPO's
@@ -12,12 +13,16 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from reclaim.storage import atomic_dir, remove_partial
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint with one is complete
@@ -31,6 +36,35 @@ def checkpoints(output_dir: str | os.PathLike, require: str | None = None) -> li
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
+def remove_partial_saves(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete the checkpoint temp directories a save killed mid-write left in output_dir (atomic_dir
+    writes `.checkpoint-{step}.tmp-*` and renames it into place when complete); returns them."""
+    return remove_partial(Path(output_dir), f"{CHECKPOINT_PREFIX}*")
+
+
+@contextmanager
+def run_dir(output_dir: str | os.PathLike, main: bool = True) -> Iterator[Path]:
+    """A run's output_dir, made if missing and cleared (by `main`, the rank that saves) of the temp
+    directories a save killed mid-write left. A run that fails having written nothing but empty
+    files and train_config.json leaves no directory it made."""
+    out = Path(output_dir)
+    made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
+    out.mkdir(parents=True, exist_ok=True)
+    if main:
+        remove_partial_saves(out)
+    try:
+        yield out
+    except BaseException:
+        if main and made is not None and _untouched(out):
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _untouched(out: Path) -> bool:
+    """Nothing in `out` a user would keep: only empty files or folders, and the run's config."""
+    return all(p.is_dir() or p.name == "train_config.json" or p.stat().st_size == 0 for p in out.rglob("*"))
+
+
 def save_checkpoint(output_dir: Path, step: int, save_model: Callable[[Path], Any], optimizer: Any, scheduler: Any,
                     state: dict[str, Any], *, optimizer_file: str = "optimizer.pt",
                     moved: dict[str, Path] | None = None) -> Path:
@@ -38,8 +72,6 @@ def save_checkpoint(output_dir: Path, step: int, save_model: Callable[[Path], An
     the directory is empty: saving may replace it), the optimizer, the scheduler and
     trainer_state.json. moved: files written elsewhere (other ranks' optimizer states) to move in,
     by their name there. ssm-train and drafter train save through this; GRPO's is below."""
-    from reclaim.storage import atomic_dir
-
     def write(tmp: Path) -> None:
         save_model(tmp)
         torch.save(optimizer.state_dict(), tmp / optimizer_file)
@@ -98,7 +130,6 @@ def save_grpo_checkpoint(out: Path, step: int, model: torch.nn.Module, full: tor
     import torch.distributed.checkpoint as dcp
 
     from reclaim.models.loading import save_model
-    from reclaim.storage import atomic_dir
 
     trainer = {"trainer": TrainerState(model, optimizer, scheduler)}
     path = out / f"{CHECKPOINT_PREFIX}{step}"

@@ -50,6 +50,25 @@ def atomic_dir(path: Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def remove_partial(parent: Path, name: str) -> list[Path]:
+    """Clean up what atomic_dir left beside `parent/name` (a glob pattern) when its process died
+    mid-write: temp directories are deleted; an old directory moved aside is put back if its
+    replacement never arrived (it is the last complete copy), deleted otherwise. Returns what was
+    deleted."""
+    removed = []
+    for stale in sorted(Path(parent).glob(f".{name}.tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+        removed.append(stale)
+    for old in sorted(Path(parent).glob(f".{name}.old-*")):
+        target = old.parent / old.name[1:].rpartition(".old-")[0]
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
+        else:
+            old.rename(target)
+    return removed
+
+
 @contextmanager
 def _locked(lock: Path) -> Iterator[None]:
     with open(lock, "w") as f:
@@ -67,8 +86,7 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{target.name}.lock"):
         if not target.exists():  # another process may have finished while we waited for the lock
-            for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed process
-                shutil.rmtree(stale, ignore_errors=True)
+            remove_partial(target.parent, target.name)  # left by a killed process
             atomic_dir(target, build)
     return target
 

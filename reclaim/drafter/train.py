@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, save_checkpoint, trim_log
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, remove_partial_saves, save_checkpoint, trim_log
 from reclaim.data.tasks import check_source
 from reclaim.drafter.acceptance import greedy_acceptance
 from reclaim.drafter.data import DrafterBuffer, DrafterSample, HiddenRecorder
@@ -29,6 +29,7 @@ from reclaim.drafter.loss import make_optimizer, train_drafter
 from reclaim.models.drafter import EagleDrafter, load_drafter, most_frequent, new_drafter, save_drafter
 from reclaim.models.loading import as_dtype
 from reclaim.schedule import SCHEDULES, lr_scheduler
+from reclaim.trackers import RunLog, progress_bar, report_to_list
 
 CE_VOCABS = ("full", "buffer")
 DRAFTER_TYPES = ("eagle", "eagle3")  # EAGLE-1/2 (this module) and EAGLE-3 (drafter/eagle3.py)
@@ -83,11 +84,13 @@ class DrafterTrainConfig:
     num_speculative_tokens: int = 4  # the held-out evaluation's draft length
     seed: int = 42
     logging_steps: int = 10
+    report_to: str | list[str] = "none"  # none | tensorboard | wandb | trackio, or a list (reclaim/trackers.py)
     save_steps: int = 0  # 0: save only at the end
     save_total_limit: int | None = None
     resume_from_checkpoint: bool = False
 
     def __post_init__(self) -> None:
+        report_to_list(self.report_to)
         if self.drafter_type not in DRAFTER_TYPES:
             raise ValueError(f"drafter_type {self.drafter_type!r} is not one of {list(DRAFTER_TYPES)}")
         if self.lr_scheduler_type not in SCHEDULES:
@@ -216,6 +219,7 @@ def _start(cfg: DrafterTrainConfig) -> tuple[Path, torch.nn.Module, Any]:
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_partial_saves(out)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     target.requires_grad_(False)
@@ -233,8 +237,6 @@ def fit(cfg: DrafterTrainConfig, out: Path, *, new: Callable[[], Any], load: Cal
     logging_steps) and checkpoint-{step}/ (`save`) every save_steps. run(drafter, optimizer,
     scheduler, start_step, on_step) runs the steps. Returns the drafter, the log history and the
     training seconds."""
-    from tqdm import tqdm
-
     step, history = 0, []
     log_path = out / "log.jsonl"
     found = checkpoints(out) if cfg.resume_from_checkpoint else []
@@ -259,7 +261,8 @@ def fit(cfg: DrafterTrainConfig, out: Path, *, new: Callable[[], Any], load: Cal
     config_dict = dataclasses.asdict(cfg)
     (out / "train_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
 
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="drafter train")
+    run_log = RunLog(cfg.report_to, out, config=config_dict, resume_step=step)
+    bar = progress_bar(cfg.max_steps, step, "drafter train", show=progress)
     window: list[dict[str, Any]] = []
 
     def on_step(rec: dict[str, Any]) -> None:
@@ -272,8 +275,7 @@ def fit(cfg: DrafterTrainConfig, out: Path, *, new: Callable[[], Any], load: Cal
             entry = {"step": s, **avg, "learning_rate": rec["learning_rate"],
                      "tokens": sum(r["tokens"] for r in window)}
             history.append(entry)
-            with open(log_path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+            run_log.log(entry)
             window.clear()
         if (cfg.save_steps and s % cfg.save_steps == 0) or s == cfg.max_steps:
             state = {"global_step": s, "max_steps": cfg.max_steps, "log_history": history,
@@ -286,6 +288,7 @@ def fit(cfg: DrafterTrainConfig, out: Path, *, new: Callable[[], Any], load: Cal
     t_train = time.perf_counter()
     run(drafter, opt, sched, step, on_step)
     bar.close()
+    run_log.close()
     return drafter, history, time.perf_counter() - t_train
 
 

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, remove_partial_saves
 from reclaim.online.embedding_grad import RowGradEmbedding
 from reclaim.online.feedback import Feedback, FeedbackLog
 from reclaim.online.planner import CostModel, Decision, Sample, plan  # noqa: F401 - re-exported
@@ -40,6 +40,7 @@ from reclaim.online.store import RecordStore
 from reclaim.online.versions import VersionSnapshots
 from reclaim.optim import adamw
 from reclaim.storage import parse_size
+from reclaim.trackers import RunLog, report_to_list
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class OnlineTrainConfig:
     keep_versions: int = 0
     probe_path: str | None = None  # held-out JSON lines ({"prompt", "answer"} or {"text"})
     max_probe_regression: float = 0.05  # nats per token an update may add to the probe loss
+    report_to: str | list[str] = "none"  # none | tensorboard | wandb | trackio, or a list (reclaim/trackers.py)
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size < 1:
@@ -99,6 +101,7 @@ class OnlineTrainConfig:
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model={self.cost_model!r}; allowed: {list(COST_MODELS)}")
         record_policy(self.record)
+        report_to_list(self.report_to)
         for name in ("record_budget", "record_host_budget"):
             parse_size(getattr(self, name))
         if not self.max_probe_regression >= 0:
@@ -219,7 +222,9 @@ class OnlineTrainer:
         self.counts: Counter[str] = Counter()
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        remove_partial_saves(self.out)
         self.log_path = self.out / "train_log.jsonl"
+        self.run_log: RunLog | None = None  # opened at the first step, once resume() has set the step
 
     @property
     def step(self) -> int:
@@ -326,8 +331,10 @@ class OnlineTrainer:
                             "+%g); its %d feedback quarantined, weights back to version %d",
                             entry["step"], verdict.before, verdict.after,
                             self.cfg.max_probe_regression, len(entry["feedback_ids"]), self.version)
-        with open(self.log_path, "a") as fh:
-            fh.write(json.dumps(entry) + "\n")
+        if self.run_log is None:
+            self.run_log = RunLog(self.cfg.report_to, self.out, log_file=self.log_path.name,
+                                  config=asdict(self.cfg), resume_step=entry["step"] - 1)
+        self.run_log.log(entry)
         log.info("online step %d: loss %.4f on %d tokens", entry["step"], entry["loss"],
                  entry["tokens"])
         if entry.get("accepted", True) and self.cfg.save_steps and \

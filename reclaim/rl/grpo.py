@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from reclaim.checkpoints import (
-    CHECKPOINT_PREFIX, TRAINER_STATE, checkpoints, load_trainer_state, save_grpo_checkpoint, trim_log,
+    CHECKPOINT_PREFIX, TRAINER_STATE, checkpoints, load_trainer_state, run_dir, save_grpo_checkpoint, trim_log,
 )
 from reclaim.drafter.online import OnlineDrafterTrainer
 from reclaim.fsdp import (
@@ -67,6 +67,7 @@ from reclaim.rl.loss import grpo_loss
 from reclaim.rl.rewards import load_reward
 from reclaim.rl.rollout import RolloutBatch, drafter_path, rollout, rollout_runner, spec_arms, speculative_arm
 from reclaim.schedule import lr_scheduler
+from reclaim.trackers import RunLog, progress_bar
 
 
 # ---- the training step -------------------------------------------------------------------------
@@ -152,7 +153,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     if world.device.type == "cuda":
         cfg = dataclasses.replace(cfg, device=str(world.device))  # this rank's GPU
     try:
-        return _train(cfg, world, progress, log)
+        with run_dir(cfg.output_dir, main=world.is_main):
+            return _train(cfg, world, progress, log)
     finally:
         world.close()
 
@@ -208,8 +210,6 @@ def _open_engine(cfg: GRPOConfig, served: torch.nn.Module, tokenizer: Any, max_l
 
 
 def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    from tqdm import tqdm
-
     from reclaim.models.loading import load_model
     from reclaim.models.tokenizer import encode_chat
 
@@ -226,9 +226,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     reward_funcs = [load_reward(spec) for spec in cfg.reward_funcs]
     reward_names = [getattr(f, "__name__", spec) if ":" in spec or "." in spec else spec
                     for f, spec in zip(reward_funcs, cfg.reward_funcs)]
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-    world.barrier()
+    world.barrier()  # output_dir exists (run_dir) before any rank writes to it
     last = None
     if cfg.resume_from_checkpoint:
         found = checkpoints(out, require=TRAINER_STATE)
@@ -294,7 +292,8 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         (out / "train_config.json").write_text(json.dumps({**config_dict, "world_size": world.size}, indent=2) + "\n")
 
     per_step = cfg.generation_batch_size * world.size // cfg.num_generations
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and main), desc="grpo")
+    run_log = RunLog(cfg.report_to, out, config=config_dict, resume_step=step, main=main)
+    bar = progress_bar(cfg.max_steps, step, "grpo", show=progress and main)
     model.train()
     while step < cfg.max_steps:
         t0 = time.perf_counter()
@@ -333,9 +332,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             entry = {"step": step, **{k: sum(r[k] for r in window if k in r) / sum(k in r for r in window)
                                       for k in keys}}
             history.append(entry)
-            if main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(entry) + "\n")
+            run_log.log(entry)
             window = []
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps:
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
@@ -348,4 +345,5 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
                     shutil.rmtree(old, ignore_errors=True)
             world.barrier()  # every rank sees the checkpoint once any goes on
     bar.close()
+    run_log.close()
     return {"steps": step, "last": history[-1] if history else None, "total_s": time.perf_counter() - t_start}

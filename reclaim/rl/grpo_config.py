@@ -13,6 +13,7 @@ from reclaim.engine.speculative import SPECULATIVE_METHODS as SPEC_METHODS
 from reclaim.fsdp import PARALLELISMS
 from reclaim.rl.loss import LOSS_TYPES, SCALE_REWARDS
 from reclaim.schedule import SCHEDULES
+from reclaim.trackers import report_to_list
 
 ALL_TASKS = "all"
 DEFAULT_TEMPLATE = "{question}\nGive the final answer in <answer></answer> tags."
@@ -82,6 +83,7 @@ class GRPOConfig:
     max_steps: int = 100
     seed: int = 42
     logging_steps: int = 1
+    report_to: str | list[str] = "none"  # none | tensorboard | wandb | trackio, or a list (reclaim/trackers.py)
     log_completions: bool = False  # each rollout's prompts, completions, rewards -> output_dir/completions.jsonl
     save_steps: int = 500  # 0: only at the end
     save_total_limit: int | None = None
@@ -113,6 +115,7 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         self.engine_config(None)  # refuses an unknown engine field or a bad value by name
+        report_to_list(self.report_to)  # a tracker unknown or not installed: one line, before the model loads
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)

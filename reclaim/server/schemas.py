@@ -3,14 +3,16 @@
 Strict mode: a string is not a number and a float is not an int, as in OpenAI's API. The extra
 keys vLLM accepts at the top level (top_k, min_p, stop_token_ids, guided_json, ...) are fields
 here. Every other field of OpenAI's and vLLM's requests that this server does not implement is
-in REFUSED: sent with anything but its neutral value, it gets a 400 naming it. Keys neither API
-defines are ignored, as vLLM and OpenAI's SDKs expect.
+in REFUSED: sent with anything but its neutral value, it gets a 400 naming it. A top-level key
+neither API defines gets a 400 naming it, as OpenAI answers ("Unrecognized request argument
+supplied"), so a misspelt field (max_token) is not silently ignored.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -63,6 +65,16 @@ class FieldError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _unrecognized(extra: dict[str, Any] | None, known: Any, fields: Any) -> None:
+    """A 400 naming the top-level keys that are neither fields nor in `known` (OpenAI's answer)."""
+    unknown = [k for k in extra or {} if k not in known]
+    if unknown:
+        hints = [m[0] for k in unknown if (m := difflib.get_close_matches(k, fields, n=1))]
+        s = "s" if len(unknown) > 1 else ""
+        raise FieldError(unknown[0], f"Unrecognized request argument{s} supplied: {', '.join(unknown)}"
+                         + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
 
 
 def _refuse(extra: dict[str, Any] | None, table: dict[str, tuple]) -> None:
@@ -175,8 +187,13 @@ class SamplingRequest(BaseModel):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    # Top-level keys accepted besides the fields: the refused ones (a 400 of their own unless
+    # neutral) and the informational ones.
+    KNOWN_EXTRAS: ClassVar[frozenset[str]] = frozenset(REFUSED) | frozenset(INFORMATIONAL)
+
     @model_validator(mode="after")
     def _supported(self) -> "SamplingRequest":
+        _unrecognized(self.model_extra, self.KNOWN_EXTRAS, type(self).model_fields)
         _refuse(self.model_extra, REFUSED)
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed with stream=true")
@@ -292,9 +309,16 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
+    KNOWN_EXTRAS: ClassVar[frozenset[str]] = SamplingRequest.KNOWN_EXTRAS | frozenset(REFUSED_CHAT_ONLY)
+
     @model_validator(mode="after")
     def _chat(self) -> "ChatCompletionRequest":
         _refuse(self.model_extra, REFUSED_CHAT_ONLY)
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and m.tool_call_id is None:
+                raise FieldError(f"messages[{i}].tool_call_id",
+                                 f"messages[{i}].tool_call_id is missing: a message with role 'tool' "
+                                 "must name the tool call it answers")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs=true")
         if self.continue_final_message and self.add_generation_prompt:

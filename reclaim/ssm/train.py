@@ -43,9 +43,10 @@ from typing import Any
 
 import torch
 
-from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, save_checkpoint, trim_log
+from reclaim.checkpoints import CHECKPOINT_PREFIX, checkpoints, run_dir, save_checkpoint, trim_log
 from reclaim.schedule import SCHEDULES, lr_scheduler
 from reclaim.ssm.adjoint import RECOMPUTE, adjoint_loss_backward, aligned_labels, chunk_bounds
+from reclaim.trackers import RunLog, progress_bar, report_to_list
 
 GRAD_MODES = ("backprop", "checkpoint", "adjoint", "truncated")
 SHARDINGS = ("none", "fsdp", "layer", "time")
@@ -95,6 +96,7 @@ class SSMTrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 42
     logging_steps: int = 1
+    report_to: str | list[str] = "none"  # none | tensorboard | wandb | trackio, or a list (reclaim/trackers.py)
     save_steps: int = 0  # 0: save only at the end
     save_total_limit: int | None = None
     resume_from_checkpoint: bool = False
@@ -103,6 +105,7 @@ class SSMTrainConfig:
     sharding: str = "none"  # under torchrun: none (data parallel) | fsdp | layer | time; see module doc
 
     def __post_init__(self) -> None:
+        report_to_list(self.report_to)
         if self.grad_mode not in GRAD_MODES:
             raise ValueError(f"grad_mode {self.grad_mode!r} is not one of {list(GRAD_MODES)}")
         from reclaim.models.ssm import FAMILIES
@@ -348,7 +351,8 @@ def train(cfg: SSMTrainConfig, *, tokens: torch.Tensor | None = None,
     ranks = Ranks.from_env()
     device, started = _start(cfg, ranks)
     try:
-        return _train(cfg, tokens, progress, ranks, device)
+        with run_dir(cfg.output_dir, main=ranks.rank == 0):
+            return _train(cfg, tokens, progress, ranks, device)
     finally:
         if started:
             import torch.distributed as dist
@@ -366,8 +370,6 @@ def _memory(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> dic
 
 def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ranks: Ranks,
            device: torch.device) -> list[dict[str, Any]]:
-    from tqdm import tqdm
-
     from reclaim.data.corpus import tokenize_corpus, window_batch
     from reclaim.models.loading import DEFAULT_NAMES, default_model_dir
     from reclaim.models.tokenizer import load_tokenizer
@@ -375,7 +377,6 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
 
     out = Path(cfg.output_dir)
     lead = ranks.rank == 0
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = None
     if tokens is None:
         tokenizer = load_tokenizer(default_model_dir() if cfg.tokenizer in DEFAULT_NAMES else cfg.tokenizer)
@@ -427,9 +428,9 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     # Data parallel: each rank its own batches; model parallel: all ranks the same batch.
     dp_rank, dp_world = (ranks.rank, ranks.world) if cfg.sharding in DATA_PARALLEL else (0, 1)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and lead),
-               desc=f"ssm-train {cfg.grad_mode}" + (f" {cfg.sharding} x{ranks.world}"
-                                                    if ranks.world > 1 else ""))
+    run_log = RunLog(cfg.report_to, out, config=config_dict, resume_step=step, main=lead)
+    bar = progress_bar(cfg.max_steps, step, f"ssm-train {cfg.grad_mode}" + (
+        f" {cfg.sharding} x{ranks.world}" if ranks.world > 1 else ""), show=progress and lead)
     t_start = time.perf_counter()
     tokens_seen = 0
     while step < cfg.max_steps:
@@ -470,14 +471,13 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
                    "tokens_per_s": tokens_seen / elapsed, **_memory(params, opt)}
             records.append(rec)
             history.append(rec)
-            if lead:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            run_log.log(rec)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps:
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
                      "config": config_dict, "sharding": cfg.sharding, "world_size": ranks.world}
             _save(cfg, ranks, out, step, model, opt, sched, state, tokenizer, shards)
     bar.close()
+    run_log.close()
     return records if lead else []
 
 

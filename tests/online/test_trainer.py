@@ -349,3 +349,23 @@ def test_clipping_in_parts_equals_torchs_clip_grad_norm(max_norm):
     assert torch.equal(got, want) and pauses == ["clip"] * 8
     assert all(torch.equal(pa.grad, pb.grad) for pa, pb in zip(a.parameters(), b.parameters())
                if pa.grad is not None)
+
+
+def test_report_to_tensorboard_gets_each_steps_numbers(tmp_path):
+    from test_trackers import assert_log_in_tensorboard
+
+    t = trainer(tmp_path, "run", tiny_model(), RecordStore(), "recompute", report_to="tensorboard",
+                per_device_train_batch_size=2)
+    for i in range(4):
+        t.feedback.append(f"r{i}", 1)
+    assert t.train_step()["step"] == 1 and t.train_step()["step"] == 2
+    assert_log_in_tensorboard(tmp_path / "run", ("loss", "tokens", "seconds"), name="train_log.jsonl")
+
+
+def test_a_restart_removes_the_temp_dir_of_a_save_killed_mid_write(tmp_path):
+    from test_checkpoints import half_written_save
+
+    (tmp_path / "run").mkdir()
+    half_written_save(tmp_path / "run")
+    t = trainer(tmp_path, "run", tiny_model(), RecordStore(), "recompute")
+    assert [p.name for p in t.out.iterdir() if p.name.startswith(".checkpoint")] == []

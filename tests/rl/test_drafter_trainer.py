@@ -380,3 +380,12 @@ def test_a_resume_with_nothing_saved_and_a_bad_rollout_dtype_are_refused(tiny_mo
                                                       "resume_from_checkpoint": True}), progress=False)
     with pytest.raises(ConfigError, match="'fp8'"):
         load_config(DrafterTrainConfig, None, {"rollout_dtype": "fp8"})
+
+
+def test_report_to_tensorboard_gets_the_logged_metrics(tiny_model_dir, tmp_path, one_thread):
+    from test_trackers import assert_log_in_tensorboard
+
+    over = {**TINY_RUN, "max_steps": 2, "eval_prompts": 0, "model": str(tiny_model_dir), "output_dir": str(tmp_path),
+            "report_to": ["tensorboard"]}
+    train(load_config(DrafterTrainConfig, None, over), progress=False, log=lambda s: None)
+    assert_log_in_tensorboard(tmp_path, ("loss", "reg_loss", "ce_loss", "accuracy", "learning_rate"))

@@ -382,3 +382,28 @@ def test_the_rollout_engine_holds_its_eagle_drafter_from_the_start(tiny_model_di
         cfg = GRPOConfig(model=str(tiny_model_dir), speculative=spec, spec_depths=[3], adaptive=False)
         engine, online = _open_engine(cfg, target, tok, 128, None)
         assert isinstance(engine.proposer, kind) and online is None and engine.speculative is None
+
+
+def test_a_restart_removes_a_killed_save_and_a_failed_start_leaves_no_output_dir(tmp_path):
+    from test_checkpoints import half_written_save
+
+    out = tmp_path / "run"
+    out.mkdir()
+    half_written_save(out)
+    base = ["grpo", "--config", "grpo-tiny", "--model", str(tmp_path / "no-model")]
+    r = CliRunner().invoke(_app(), base + ["--output_dir", str(out)])
+    assert r.exit_code == 1 and "no-model" in r.output
+    assert list(out.iterdir()) == []  # the temp dir is gone; the directory was the user's, so it stays
+    r = CliRunner().invoke(_app(), base + ["--output_dir", str(tmp_path / "runs" / "new")])
+    assert r.exit_code == 1 and "no-model" in r.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_report_to_tensorboard_gets_the_logged_metrics(tiny_model_dir, tmp_path, one_thread):
+    from test_trackers import assert_log_in_tensorboard
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(_app(), ["grpo", "--config", "grpo-tiny", "--model", str(tiny_model_dir), "--output_dir",
+                                    str(out), "--max_steps", "2", "--report_to", "tensorboard"])
+    assert r.exit_code == 0, r.output
+    assert_log_in_tensorboard(out, ("reward", "loss", "grad_norm", "learning_rate", "completions/mean_length"))

@@ -118,6 +118,13 @@ CASES = {
     "too many stop token ids": (COMPLETIONS, body(prompt="a", stop_token_ids=[1] * 257), 400,
                                 "stop_token_ids"),
     "more messages than context": (CHAT, body(messages=MSG * 257), 400, "messages"),
+    # Keys neither OpenAI nor vLLM defines: OpenAI's 400 "Unrecognized request argument supplied"
+    "misspelt max_tokens": (COMPLETIONS, body(prompt="a", max_token=3), 400, "max_token"),
+    "unknown chat field": (CHAT, body(messages=MSG, temprature=0.5), 400, "temprature"),
+    "prompt sent to chat": (CHAT, body(messages=MSG, prompt="a"), 400, "prompt"),
+    "messages sent to completions": (COMPLETIONS, body(prompt="a", messages=MSG), 400, "messages"),
+    "tool message without tool_call_id": (CHAT, body(messages=[*MSG, {"role": "tool", "content": "21"}]), 400,
+                                          "messages[1].tool_call_id"),
 }
 
 
@@ -202,9 +209,26 @@ def test_huge_top_k_fails_alone(server, http):
 def test_neutral_values_of_unsupported_keys_are_accepted(http):
     r = http.post(COMPLETIONS, json={
         "prompt": "a", "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0,
-        "logit_bias": {}, "echo": False, "best_of": 1, "user": "u1", "unknown": 3,
+        "logit_bias": {}, "echo": False, "best_of": 1, "user": "u1",
         "use_beam_search": False, "suffix": None, "store": False, "skip_special_tokens": True})
     assert r.status_code == 200, r.text
+
+
+def test_unknown_fields_are_named_as_openai_names_them(http):
+    err = check_error(http.post(COMPLETIONS, json={"prompt": "a", "max_token": 3, "foo": 1}), 400, "max_token")
+    assert err["message"] == "Unrecognized request arguments supplied: max_token, foo (did you mean max_tokens?)"
+    err = check_error(http.post(CHAT, json={"messages": MSG, "stream_option": {}}), 400, "stream_option")
+    assert err["message"] == "Unrecognized request argument supplied: stream_option (did you mean stream_options?)"
+
+
+def test_a_tool_message_must_name_its_call(http):
+    msgs = [*MSG, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "21"}]
+    err = check_error(http.post(CHAT, json={"messages": msgs, "max_tokens": 1}), 400, "messages[2].tool_call_id")
+    assert err["message"].startswith("messages[2].tool_call_id is missing")
+    msgs[2]["tool_call_id"] = "call_1"
+    assert http.post(CHAT, json={"messages": msgs, "max_tokens": 1}).status_code == 200
 
 
 def test_unknown_route_and_method(http):

@@ -233,3 +233,17 @@ def test_unknown_architecture_and_model_config_fields_are_refused() -> None:
     cfg = load(None, {"architecture": "Mamba2ForCausalLM", "model_config": {"hidden_sise": 16}})
     with pytest.raises(ValueError, match=r"Mamba2ForCausalLM has no config field\(s\) \['hidden_sise'\]"):
         T.build_model(cfg, 40)
+
+
+def test_a_restart_removes_a_killed_save_and_a_failed_start_leaves_no_output_dir(tmp_path, tokens) -> None:
+    from test_checkpoints import half_written_save
+
+    out = tmp_path / "run"
+    out.mkdir()
+    half_written_save(out)
+    T.train(T.SSMTrainConfig(output_dir=str(out), **{**TINY, "max_steps": 1}), tokens=tokens, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "log.jsonl", "train_config.json"]
+    missing = T.SSMTrainConfig(output_dir=str(tmp_path / "runs" / "b"), model=str(tmp_path / "no-model"), **TINY)
+    with pytest.raises((FileNotFoundError, ValueError)):
+        T.train(missing, tokens=tokens, progress=False)
+    assert not (tmp_path / "runs").exists()
