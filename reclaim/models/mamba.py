@@ -360,6 +360,11 @@ class MambaForCausalLM(RecurrentLM):
 
 
 def _read_json(file: Path) -> dict[str, Any]:
+    """A model directory's config.json; a missing directory or file is named in one line."""
+    if not file.is_file():
+        what = f"model directory {str(file.parent)!r}"
+        raise FileNotFoundError(f"{what} has no {file.name}" if file.parent.is_dir() else
+                                f"{what} does not exist; pass a local HF directory (reclaim never downloads models)")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:

@@ -8,31 +8,17 @@ from pathlib import Path
 
 import torch
 
+from reclaim.models.loading import SSM_ARCHITECTURES, ssm_family
 from reclaim.models.mamba import MambaForCausalLM, _read_json, load_mamba
 from reclaim.models.mamba2 import Mamba2ForCausalLM, load_mamba2
 from reclaim.models.nemotron_h import NemotronHForCausalLM, load_nemotron_h
 
 # architecture -> (model_type, loader). mamba_ssm directories (no model_type, a d_model key) are
-# Mamba-1 layouts that load_mamba reads (and refuses for their other layers, by name).
-FAMILIES = {
-    "MambaForCausalLM": ("mamba", load_mamba),
-    "Mamba2ForCausalLM": ("mamba2", load_mamba2),
-    "NemotronHForCausalLM": ("nemotron_h", load_nemotron_h),
-}
-
-
-def ssm_family(config: dict) -> str:
-    """The architecture a config.json dict names, if it is a supported SSM; else ValueError."""
-    if "d_model" in config and "model_type" not in config:
-        return "MambaForCausalLM"
-    archs = config.get("architectures") or []
-    kind = config.get("model_type")
-    for arch, (model_type, _) in FAMILIES.items():
-        if arch in archs or (not archs and kind == model_type):
-            return arch
-    supported = ", ".join(f"{a} ({t})" for a, (t, _) in FAMILIES.items())
-    raise ValueError(f"unsupported SSM architecture {archs or None} (model_type {kind!r}); "
-                     f"supported: {supported}")
+# Mamba-1 layouts that load_mamba reads (and refuses for their other layers, by name). Which
+# architecture a config.json names is ssm_family's (in loading.py, where the decoder's loader
+# also uses it to refuse an SSM by name).
+LOADERS = {"MambaForCausalLM": load_mamba, "Mamba2ForCausalLM": load_mamba2, "NemotronHForCausalLM": load_nemotron_h}
+FAMILIES = {arch: (model_type, LOADERS[arch]) for arch, model_type in SSM_ARCHITECTURES.items()}
 
 
 def load_ssm(
