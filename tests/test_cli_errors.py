@@ -54,6 +54,13 @@ def test_a_missing_corpus_is_one_line(tmp_path):
     assert f"'{tmp_path / 'nope.txt'}'" in line
 
 
+def test_ssm_train_on_a_decoder_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    line = _one_line_error(_run(["ssm-train", "--config", "ssm-tiny", "--model", str(tmp_path),
+                                 "--output_dir", str(tmp_path / "out")]))
+    assert "model_type 'llama' is not a Mamba-1 config" in line
+
+
 def test_debug_shows_the_traceback(tmp_path):
     missing = tmp_path / "no-such-model"
     res = _run(["--debug", "generate", "Hi", "-m", str(missing)])

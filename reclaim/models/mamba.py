@@ -90,7 +90,10 @@ class MambaConfig:
         """Build from an HF config.json dict; unknown keys are kept in `extra` for the round trip."""
         d = dict(d)
         if d.get("model_type", "mamba") != "mamba":
-            raise ValueError(f"model_type {d['model_type']!r} is not a Mamba-1 config; expected 'mamba'")
+            from reclaim.models.loading import UnsupportedModelError  # a ValueError the CLI shows in one line
+
+            raise UnsupportedModelError(f"model_type {d['model_type']!r} is not a Mamba-1 config; expected 'mamba' "
+                                        "(a decoder trains with `reclaim grpo` or `reclaim serve --learn`)")
         if "dtype" in d:
             d.setdefault("torch_dtype", d.pop("dtype"))
         names = set(cls.__dataclass_fields__) - {"extra"}
