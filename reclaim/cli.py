@@ -9,20 +9,28 @@ import typer
 
 from reclaim.bench.cli import bench_app
 from reclaim.cli_options import (DEVICE_OPT, DTYPE_OPT, DTYPES, GPU_UTIL_OPT, KV_MEMORY_OPT, MAX_LEN_OPT, _cuda,
-                                 _engine_config, _fail, _file_fields, _fit, engine_options)
+                                 _engine_config, _fail, _file_fields, _fit, OneLineErrors, bundled,
+                                 engine_options)
 
 app = typer.Typer(help="reclaim: post-training engine that turns wasted compute into training.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, cls=OneLineErrors)
 app.add_typer(bench_app, name="bench")
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error that is "
+                                     "otherwise one line (a missing model directory or file).")) -> None:
+    """reclaim: post-training engine that turns wasted compute into training."""
 
 # ---- inference: generate, chat, demo (owner: engine) ----
 
 MODEL_ARG = typer.Option(None, "--model", "-m", help="HF model directory; omitted: the bundled SmolLM2-135M-Instruct.")
 SPEC_OPT = typer.Option(None, "--speculative", help="Speculative decoding: none, ngram (prompt lookup), "
                         "suffix (history: the prompt, other completions of it and recent outputs; no model), "
-                        "eagle:PATH (an EAGLE drafter directory), eagle (the default model's drafter, "
-                        "trained and cached on first use), hybrid:PATH or hybrid (suffix and eagle drafts "
-                        "merged into one verify tree). Lossless: same outputs as plain decoding.")
+                        "eagle:PATH (an EAGLE-1/2 drafter directory), eagle (the default model's drafter, "
+                        "trained and cached on first use), eagle3:PATH (an EAGLE-3 drafter directory), "
+                        "hybrid:PATH or hybrid (suffix and eagle drafts merged into one verify tree). "
+                        "Lossless: same outputs as plain decoding.")
 SPEC_TOKENS_OPT = typer.Option(None, "--num-speculative-tokens", help="Draft depth per step (default 4; suffix "
                                "and hybrid 16).")
 SUFFIX_CACHE_OPT = typer.Option(None, "--suffix-cache-tokens", help="suffix, hybrid: tokens of finished "
@@ -197,7 +205,8 @@ def demo(
     grpo_steps: int = typer.Option(1, help="GRPO steps of the RL part (0 skips it)."),
     speculative: str = typer.Option("suffix", "--speculative", help="The speculative part: suffix (history: "
                                     "nothing to train), eagle (trains and caches the default drafter on first use, "
-                                    "about 2-6 min), hybrid, ngram, eagle:PATH, hybrid:PATH or none."),
+                                    "about 2-6 min), hybrid, ngram, eagle:PATH, eagle3:PATH, hybrid:PATH or "
+                                    "none (skips it)."),
     speculative_tokens: int = typer.Option(96, min=1, help="Most tokens per answer of the speculative part."),
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
@@ -289,8 +298,8 @@ def serve(
                                             "write the history's recent outputs to this file (for --suffix-history)."),
     learn: bool = typer.Option(False, "--learn", help="Learn from feedback while serving (POST /v1/feedback): "
                                "prompts recorded at prefill, trained between engine steps."),
-    learn_config: str = typer.Option(None, "--config", help="With --learn: YAML file or bundled name of "
-                                     "OnlineTrainConfig fields (default: online-smollm2 if bundled)."),
+    learn_config: str = typer.Option(None, "--config", help="With --learn: YAML file of OnlineTrainConfig "
+                                     f"fields, or a bundled config: {bundled('online-')}; default online-smollm2."),
     record: str = typer.Option(None, "--record", help="With --learn: all | requested (body key "
                                "retain_for_training) | fraction:F."),
     record_budget: str = typer.Option(None, "--record-budget", help="With --learn: bytes of records kept."),
@@ -317,6 +326,7 @@ def serve(
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)."""
     from reclaim.engine.kv_cache import GIB
+    from reclaim.models.loading import UnsupportedModelError
     from reclaim.server.connections import ConnectionLimits
     from reclaim.server.serve import serve as run_server
 
@@ -355,6 +365,8 @@ def serve(
         args = args.replace(kv_cache_bytes=kv_bytes, device=dev, dtype=dtype)
         connections = ConnectionLimits(max_connections=limit_concurrency, header_timeout=header_timeout,
                                        body_timeout=body_timeout, keep_alive=timeout_keep_alive)
+    except UnsupportedModelError:
+        raise  # one line, as every command's (OneLineErrors)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     origins = tuple(o.strip() for arg in allowed_origins or [] for o in arg.split(",") if o.strip())
@@ -376,7 +388,7 @@ def serve(
 def ssm_train(
     ctx: typer.Context,
     config: str = typer.Option(None, "--config", help="YAML file of SSMTrainConfig fields, or a "
-                               "bundled config: ssm-tiny, ssm-64k, ssm-128k-time, ssm-mamba2-small, ssm-hybrid-small."),
+                               f"bundled config: {bundled('ssm-')}."),
     grad_mode: str = typer.Option(None, "--grad-mode", help="backprop | checkpoint | adjoint | truncated."),
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
@@ -413,7 +425,7 @@ app.add_typer(drafter_app, name="drafter")
 def drafter_train(
     ctx: typer.Context,
     config: str = typer.Option(None, "--config", help="YAML file of DrafterTrainConfig fields, or a "
-                               "bundled config: drafter-smollm2, drafter-smollm2-large, drafter-smollm2-eagle3."),
+                               f"bundled config: {bundled('drafter-')}."),
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
     """Train an EAGLE drafter on the target's hidden states over its own answers to chat prompts
@@ -445,8 +457,8 @@ def drafter_train(
 @app.command("plan", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def plan(
     ctx: typer.Context,
-    config: str = typer.Option(..., "--config", help="The GRPO or ssm-train config (YAML or a bundled name) "
-                               "to plan."),
+    config: str = typer.Option(..., "--config", help=f"The GRPO or ssm-train config to plan (YAML or a "
+                               f"bundled name: {bundled('grpo-')}, {bundled('ssm-')})."),
     world_size: int = typer.Option(1, "--world-size", help="Ranks (torchrun's nnodes x nproc_per_node)."),
     model_config: str = typer.Option(None, "--model-config", help="An HF config.json, a model directory, or "
                                      "a bundled shape: qwen2.5-7b, qwen2.5-32b, llama-3.1-8b, nemotron-h-8b. "
@@ -495,7 +507,7 @@ def plan(
 def grpo(
     ctx: typer.Context,
     config: str = typer.Option(None, "--config", help="YAML file of GRPOConfig fields (TRL's names), or a "
-                               "bundled config: grpo-smollm2, grpo-tiny."),
+                               f"bundled config: {bundled('grpo-')}."),
     resume: bool = typer.Option(False, "--resume", help="Continue from output_dir's latest checkpoint."),
 ) -> None:
     """Train a policy with GRPO on procedural reasoning tasks, rollouts on reclaim's engine. Any

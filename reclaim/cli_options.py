@@ -5,6 +5,7 @@ generated from EngineConfig."""
 from __future__ import annotations
 
 import typer
+from typer.core import TyperGroup
 
 from reclaim.engine.config import DTYPES  # imports no torch
 DTYPE_OPT = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (float32 on a CPU, the "
@@ -15,6 +16,32 @@ DEVICE_OPT = typer.Option("auto", "--device", help="auto (CUDA when there is one
 MAX_LEN_OPT = typer.Option(None, "--max-model-len", help="Context length (default: the model's, at most 4096).")
 GPU_UTIL_OPT = typer.Option(None, "--gpu-memory-utilization", help="CUDA: the share of the GPU's memory weights "
                             "and KV cache may take (default 0.9 unless --kv-cache-memory is given).")
+
+
+class OneLineErrors(TyperGroup):
+    """The `reclaim` command group: what a user got wrong about a path or a model (a missing model
+    directory, config or data file; an SSM checkpoint given to the inference engine) ends in one
+    line that names it, not a traceback; `reclaim --debug COMMAND` shows the traceback."""
+
+    def invoke(self, ctx):
+        from reclaim.models.loading import UnsupportedModelError
+
+        try:
+            return super().invoke(ctx)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+                UnsupportedModelError) as e:
+            if ctx.params.get("debug"):
+                raise
+            typer.echo(f"Error: {e}", err=True)
+            raise typer.Exit(1) from None
+
+
+def bundled(prefix: str) -> str:
+    """The configs bundled with the installed package whose names start with `prefix`, for a
+    --config help (read from reclaim/configs/, so the list cannot go stale)."""
+    from reclaim.config import bundled_configs
+
+    return ", ".join(name for name in bundled_configs() if name.startswith(prefix))
 
 
 def _fail(message: str) -> None:

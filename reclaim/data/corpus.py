@@ -42,7 +42,7 @@ def corpus_files(corpus: str) -> list[Path]:
         if not files:
             raise ValueError(f"corpus directory {corpus!r} holds no {'/'.join(TEXT_SUFFIXES)} files")
         return files
-    raise ValueError(f"corpus {corpus!r} is neither 'stdlib', a file, nor a directory")
+    raise FileNotFoundError(f"corpus {corpus!r} is neither 'stdlib', a file, nor a directory")
 
 
 def _fingerprint(files: list[Path], tokenizer: Any) -> str:

@@ -96,6 +96,28 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+# The state-space families (architecture -> model_type), which models/ssm.py loads and ssm/ trains.
+SSM_ARCHITECTURES = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2", "NemotronHForCausalLM": "nemotron_h"}
+
+
+class UnsupportedModelError(ValueError):
+    """A model directory of an architecture the decoder does not run (the CLI says so in one line)."""
+
+
+def ssm_family(config: dict) -> str:
+    """The architecture a config.json dict names, if it is a supported SSM; else ValueError."""
+    if "d_model" in config and "model_type" not in config:
+        return "MambaForCausalLM"
+    archs = config.get("architectures") or []
+    kind = config.get("model_type")
+    for arch, model_type in SSM_ARCHITECTURES.items():
+        if arch in archs or (not archs and kind == model_type):
+            return arch
+    supported = ", ".join(f"{a} ({t})" for a, t in SSM_ARCHITECTURES.items())
+    raise UnsupportedModelError(f"unsupported SSM architecture {archs or None} (model_type {kind!r}); "
+                     f"supported: {supported}")
+
+
 def read_config(path: Path) -> LlamaConfig:
     """Parse `path`/config.json into a LlamaConfig; errors name the file and the bad value."""
     file = path / "config.json"
@@ -105,9 +127,16 @@ def read_config(path: Path) -> LlamaConfig:
         raise ValueError(f"{file} is not valid JSON: {e}") from e
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"{file}: unsupported architecture model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}"
-        )
+        try:
+            arch = ssm_family(raw)
+        except ValueError:
+            raise UnsupportedModelError(f"{file}: unsupported architecture model_type={model_type!r}; "
+                                        f"supported: {sorted(ARCHITECTURES)}") from None
+        raise UnsupportedModelError(
+            f"{path} is a state-space model ({arch}): reclaim trains SSMs (`reclaim ssm-train --model "
+            "DIR` for Mamba-1, the exact adjoint in Python for all) but does not generate from them; "
+            f"transformers loads it to generate ({arch}.from_pretrained). generate, chat, serve, grpo, "
+            f"drafter train and online learning take {', '.join(ARCHITECTURES.values())}")
     try:
         return LlamaConfig.from_hf(raw)
     except (TypeError, ValueError) as e:

@@ -90,7 +90,10 @@ class MambaConfig:
         """Build from an HF config.json dict; unknown keys are kept in `extra` for the round trip."""
         d = dict(d)
         if d.get("model_type", "mamba") != "mamba":
-            raise ValueError(f"model_type {d['model_type']!r} is not a Mamba-1 config; expected 'mamba'")
+            from reclaim.models.loading import UnsupportedModelError  # a ValueError the CLI shows in one line
+
+            raise UnsupportedModelError(f"model_type {d['model_type']!r} is not a Mamba-1 config; expected 'mamba' "
+                                        "(a decoder trains with `reclaim grpo` or `reclaim serve --learn`)")
         if "dtype" in d:
             d.setdefault("torch_dtype", d.pop("dtype"))
         names = set(cls.__dataclass_fields__) - {"extra"}
@@ -360,6 +363,11 @@ class MambaForCausalLM(RecurrentLM):
 
 
 def _read_json(file: Path) -> dict[str, Any]:
+    """A model directory's config.json; a missing directory or file is named in one line."""
+    if not file.is_file():
+        what = f"model directory {str(file.parent)!r}"
+        raise FileNotFoundError(f"{what} has no {file.name}" if file.parent.is_dir() else
+                                f"{what} does not exist; pass a local HF directory (reclaim never downloads models)")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:

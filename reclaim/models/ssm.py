@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from reclaim.models.loading import SSM_ARCHITECTURES, ssm_family  # noqa: F401 - re-exported
 from reclaim.models.mamba import MambaConfig, MambaForCausalLM, _read_json, load_mamba, write_mamba
 from reclaim.models.mamba2 import Mamba2Config, Mamba2ForCausalLM, load_mamba2, write_mamba2
 from reclaim.models.nemotron_h import (NemotronHConfig, NemotronHForCausalLM, load_nemotron_h,
@@ -34,7 +35,9 @@ def _same(name: str) -> str:
 
 
 # architecture -> family. mamba_ssm directories (no model_type, a d_model key) are Mamba-1 layouts
-# that load_mamba reads (and refuses for their other layers, by name).
+# that load_mamba reads (and refuses for their other layers, by name). Which architecture a
+# config.json names is ssm_family's (in loading.py, where the decoder's loader also uses it to
+# refuse an SSM by name).
 FAMILIES = {
     "MambaForCausalLM": Family("mamba", MambaConfig, MambaForCausalLM, load_mamba, write_mamba, _same),
     "Mamba2ForCausalLM": Family("mamba2", Mamba2Config, Mamba2ForCausalLM, load_mamba2, write_mamba2,
@@ -42,23 +45,11 @@ FAMILIES = {
     "NemotronHForCausalLM": Family("nemotron_h", NemotronHConfig, NemotronHForCausalLM,
                                    load_nemotron_h, write_nemotron_h, to_file_name),
 }
+assert {a: f.model_type for a, f in FAMILIES.items()} == SSM_ARCHITECTURES
 
 
 def _supported() -> str:
     return ", ".join(f"{a} ({f.model_type})" for a, f in FAMILIES.items())
-
-
-def ssm_family(config: dict) -> str:
-    """The architecture a config.json dict names, if it is a supported SSM; else ValueError."""
-    if "d_model" in config and "model_type" not in config:
-        return "MambaForCausalLM"
-    archs = config.get("architectures") or []
-    kind = config.get("model_type")
-    for arch, family in FAMILIES.items():
-        if arch in archs or (not archs and kind == family.model_type):
-            return arch
-    raise ValueError(f"unsupported SSM architecture {archs or None} (model_type {kind!r}); "
-                     f"supported: {_supported()}")
 
 
 def family_of(model: nn.Module) -> Family:

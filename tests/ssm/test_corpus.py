@@ -48,7 +48,7 @@ def test_tokenize_corpus_joins_documents_with_eos_and_caches(tmp_path, monkeypat
 
 
 def test_bad_corpus_spec_names_the_value(tmp_path) -> None:
-    with pytest.raises(ValueError, match="nope"):
+    with pytest.raises(FileNotFoundError, match="nope"):
         corpus.corpus_files(str(tmp_path / "nope"))
 
 
