@@ -12,6 +12,7 @@ from reclaim.engine.config import EngineConfig
 from reclaim.engine.speculative import SPECULATIVE_METHODS as SPEC_METHODS
 from reclaim.fsdp import PARALLELISMS
 from reclaim.rl.loss import LOSS_TYPES, SCALE_REWARDS
+from reclaim.rl.rollout_weights import ROLLOUT_DTYPES
 from reclaim.schedule import SCHEDULES
 
 ALL_TASKS = "all"
@@ -28,8 +29,11 @@ class GRPOConfig:
     model: str | None = None  # HF directory; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"  # auto: the checkpoint's own dtype
     # transformers' `bf16`: the training forwards and backward under bfloat16 autocast (matmuls in
-    # bf16; weights, gradients and optimizer in `dtype`). Rollouts keep `dtype`.
+    # bf16; weights, gradients and optimizer in `dtype`).
     bf16: bool = False
+    # The rollout engine's copy of the policy (rl/rollout_weights.py): bfloat16 as verl and TLT
+    # roll out, refreshed from the trainer's weights after each step; auto: the training dtype.
+    rollout_dtype: str = "bfloat16"
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
     # Under torchrun: "ddp" (a replica per rank, gradients all-reduced) or "fsdp" (FSDP2's
@@ -67,6 +71,10 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon
     num_iterations: int = 1
+    # Completion positions whose logits are made at once (the policy's, the old policy's and the
+    # reference model's log-probs; rl/logps.py): a [tokens, vocabulary] tensor is never whole.
+    # None: a micro-batch's all at once.
+    logits_chunk_size: int | None = 1024
     # Optimisation (transformers' TrainingArguments names; AdamW).
     learning_rate: float = 1e-6
     lr_scheduler_type: str = "linear"
@@ -117,7 +125,8 @@ class GRPOConfig:
             self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         choices = [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("lr_scheduler_type", SCHEDULES),
-                   ("dtype", ("float32", "bfloat16", "float16", "auto")), ("parallelism", PARALLELISMS)]
+                   ("dtype", ("float32", "bfloat16", "float16", "auto")), ("parallelism", PARALLELISMS),
+                   ("rollout_dtype", ROLLOUT_DTYPES)]
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
@@ -142,6 +151,9 @@ class GRPOConfig:
         if self.fsdp_cpu_offload and self.parallelism != "fsdp":
             raise ValueError(f"fsdp_cpu_offload offloads FSDP's shards; it needs parallelism 'fsdp', "
                              f"got parallelism={self.parallelism!r}")
+        if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
+            raise ValueError(f"logits_chunk_size must be >= 1 or None (all positions at once), got "
+                             f"{self.logits_chunk_size}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
         if not 0 <= self.warmup_ratio < 1:
