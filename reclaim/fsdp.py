@@ -133,9 +133,13 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 def training_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's bytes of the policy's parameters, gradients and optimizer state, as held now."""
     params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
     return {"params_bytes": local_bytes(params), "grads_bytes": local_bytes(p.grad for p in params),
-            "optimizer_bytes": local_bytes(state)}
+            "optimizer_bytes": local_bytes(optimizer_tensors(optimizer))}
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's per-parameter state tensors (AdamW's moments; scalar step counters left out)."""
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> int:

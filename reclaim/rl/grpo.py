@@ -66,6 +66,7 @@ from reclaim.rl.distributed import World, accumulating
 from reclaim.rl.grpo_config import GRPOConfig
 from reclaim.rl.logps import completion_logps
 from reclaim.rl.loss import grpo_loss
+from reclaim.rl.offload import Offload
 from reclaim.rl.rewards import load_reward
 from reclaim.rl.rollout import RolloutBatch, drafter_path, rollout, rollout_runner, spec_arms, speculative_arm
 from reclaim.rl.rollout_weights import host_copy, rollout_copy, rollout_dtype
@@ -299,6 +300,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     if main:
         (out / "train_config.json").write_text(json.dumps({**config_dict, "world_size": world.size}, indent=2) + "\n")
 
+    offload = Offload(cfg.param_offload, cfg.optimizer_offload, next(model.parameters()).device)
     per_step = cfg.generation_batch_size * world.size // cfg.num_generations
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and main), desc="grpo")
     model.train()
@@ -307,9 +309,11 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         rec: dict[str, Any] = {}
         if step % cfg.num_iterations == 0 or batch is None:
             idx = prompt_rows(len(rows), per_step, step // cfg.num_iterations, cfg.seed)
+            offload.to_host(model, opt)
             batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg,
                             reward_funcs, reward_names, eos, completions_log if cfg.log_completions else None,
                             runner, world, online)
+            offload.params_to_device(model)
             if cfg.num_iterations > 1:
                 batch.old_logps = _chunked_logps(model, batch, cfg, world)
             if ref is not None:
@@ -322,9 +326,12 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         rec.update(backward_step(policy, batch, cfg, world))
         rec["grad_norm"] = clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         rec["learning_rate"] = opt.param_groups[0]["lr"]
+        offload.optimizer_to_device(opt)
         opt.step()
         rec.update({f"memory/{k}": v for k, v in training_bytes(model, opt).items()})  # this rank's share
         rec["memory/rollout_weights_bytes"] = local_bytes(served.parameters())
+        if offload.enabled:
+            rec.update(offload.take())
         sched.step()
         opt.zero_grad(set_to_none=True)
         # fsdp: each tensor cast to the rollout dtype on its shard, then gathered, one at a time

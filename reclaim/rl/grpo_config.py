@@ -41,6 +41,11 @@ class GRPOConfig:
     # state and the reference model per rank; reclaim/fsdp.py). One process: no difference.
     parallelism: str = "ddp"
     fsdp_cpu_offload: bool = False  # fsdp: the shards and the optimizer state in host memory
+    # verl's names: while rolling out, the policy's parameters (this rank's shards) and / or
+    # AdamW's moments wait in host memory (rl/offload.py); the moments come back just before the
+    # optimizer step. On a CPU the moves are no-ops.
+    param_offload: bool = False
+    optimizer_offload: bool = False
     gradient_checkpointing: bool = False  # transformers' name: each decoder layer reruns its forward in the backward
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
     task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, "all", or rg:<dataset>[,<dataset>]

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.launches  # torchrun ranks: run first (tests/conftest.p
 FSDP = {"parallelism": "fsdp"}
 REF = {"beta": 0.04, "gradient_checkpointing": True}
 BF16_ROLLOUT = {"rollout_dtype": "bfloat16"}
+OFFLOAD = {"param_offload": True, "optimizer_offload": True}
 
 
 def _run(root: Path, name: str, world: int, **kw) -> None:
@@ -53,6 +54,7 @@ def _worker(root: Path) -> None:
     _run(root, "fsdp-ref", 2, **FSDP, **REF, **{**ACCUM, "gradient_accumulation_steps": 2})
     _run(root, "one-to-fsdp", 2, **FSDP, resume_from_checkpoint=True)
     _run(root, "fsdp-bf16", 2, **FSDP, **BF16_ROLLOUT)
+    _run(root, "fsdp-offload", 2, **FSDP, **OFFLOAD)
     dist.destroy_process_group()
 
 
@@ -106,6 +108,16 @@ def test_bfloat16_rollouts_refreshed_from_the_shards_equal_one_process(runs) -> 
     one, two = (json.loads((runs / r / "log.jsonl").read_text().splitlines()[-1]) for r in ("one-bf16", "fsdp-bf16"))
     assert one["memory/rollout_weights_bytes"] == two["memory/rollout_weights_bytes"] \
         == one["memory/params_bytes"] // 4
+
+
+def test_offloading_the_shards_and_moments_while_rolling_out_changes_nothing(runs) -> None:
+    """param_offload and optimizer_offload: the shards move with module.to, which FSDP2 follows
+    (a no-op on this CPU); the run equals one process's, and each step moves this rank's shards
+    and moments out and back."""
+    _same_run(runs / "one", runs / "fsdp-offload")
+    for line in (runs / "fsdp-offload" / "log.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        assert r["offload/bytes"] == 2 * (r["memory/params_bytes"] + r["memory/optimizer_bytes"]) > 0
 
 
 def test_with_the_sharded_reference_model_and_checkpointed_layers(runs) -> None:
