@@ -225,6 +225,10 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         raise ValueError(f"per_device_train_batch_size * gradient_accumulation_steps * world size = "
                          f"{cfg.generation_batch_size * world.size} completions per step must be a multiple of "
                          f"num_generations={cfg.num_generations}")
+    if cfg.rollout_tensor_parallel_size != 1:
+        raise ValueError(f"rollout_tensor_parallel_size={cfg.rollout_tensor_parallel_size}: this build rolls out on "
+                         "one rank per engine (no tensor-parallel engine yet); allowed: 1 (`reclaim plan` prices "
+                         "larger sizes)")
     main = world.is_main
     out = Path(cfg.output_dir)
     rows = build_dataset(cfg)
@@ -271,6 +275,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         served.load_state_dict(FullWeights(model, dtype=served_dtype))
     engine, online = _open_engine(cfg, served, tokenizer, max_len, last)
     eos = set(engine.eos_token_ids)
+    kv_bytes = local_bytes([*engine.runner.pool.k, *engine.runner.pool.v])  # the engine's K/V pool
     decisions = out / ("spec_decisions.jsonl" if main else f"spec_decisions-rank{world.rank}.jsonl")
 
     def log_decision(d: dict[str, Any]) -> None:
@@ -330,6 +335,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         opt.step()
         rec.update({f"memory/{k}": v for k, v in training_bytes(model, opt).items()})  # this rank's share
         rec["memory/rollout_weights_bytes"] = local_bytes(served.parameters())
+        rec["memory/kv_cache_bytes"] = kv_bytes
         if offload.enabled:
             rec.update(offload.take())
         sched.step()

@@ -34,6 +34,9 @@ class GRPOConfig:
     # The rollout engine's copy of the policy (rl/rollout_weights.py): bfloat16 as verl and TLT
     # roll out, refreshed from the trainer's weights after each step; auto: the training dtype.
     rollout_dtype: str = "bfloat16"
+    # Ranks of a rollout engine's tensor-parallel group (verl's tensor_model_parallel_size); `reclaim
+    # plan` prices its shard. GRPO itself rolls out at 1 until the tensor-parallel engine lands.
+    rollout_tensor_parallel_size: int = 1
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
     # Under torchrun: "ddp" (a replica per rank, gradients all-reduced) or "fsdp" (FSDP2's
@@ -136,7 +139,7 @@ class GRPOConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
         for name in ("num_prompts", "max_completion_length", "max_num_seqs", "num_iterations",
-                     "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps"):
+                     "rollout_tensor_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("beta", "epsilon", "learning_rate", "weight_decay", "save_steps", "warmup_steps"):

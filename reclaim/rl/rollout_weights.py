@@ -7,8 +7,8 @@ never exists in float32 on a rank. `rollout_copy` builds it tensor by tensor fro
 before sharding (each tensor cast on its own, no float32 clone of the model); after a step
 `Engine.update_weights` reads `FullWeights(policy, dtype=...)` (reclaim/fsdp.py): each tensor is
 cast to the rollout dtype on its shard and only then gathered (half the bytes of a float32
-gather), one tensor at a time, into the engine's copy in place. With `rollout_dtype: auto` the copy keeps the training dtype
-(the float64 tests compare rollouts exactly across world sizes).
+gather), one tensor at a time, into the engine's copy in place. With `rollout_dtype: auto` the
+copy keeps the training dtype (the float64 tests compare rollouts exactly across world sizes).
 """
 
 from __future__ import annotations

