@@ -100,13 +100,16 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> float:
 class FullWeights(Mapping):
     """A sharded model's state dict, each tensor gathered whole when read (every rank reads the
     same names in the same order: each read is an all-gather). `keep` False: this rank takes part
-    in the gathers but is handed nothing to hold (a rank without a rollout engine)."""
+    in the gathers but is handed nothing to hold (a rank without a rollout engine). `dtype`: each
+    floating-point tensor cast on its shard before the gather (a bfloat16 rollout copy)."""
 
-    def __init__(self, model: nn.Module, keep: bool = True) -> None:
-        self._sd, self.keep = model.state_dict(), keep
+    def __init__(self, model: nn.Module, keep: bool = True, dtype: torch.dtype | None = None) -> None:
+        self._sd, self.keep, self.dtype = model.state_dict(), keep, dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._sd[name]
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         return full if self.keep else full.new_empty(0)
 
@@ -130,9 +133,13 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 def training_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's bytes of the policy's parameters, gradients and optimizer state, as held now."""
     params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
     return {"params_bytes": local_bytes(params), "grads_bytes": local_bytes(p.grad for p in params),
-            "optimizer_bytes": local_bytes(state)}
+            "optimizer_bytes": local_bytes(optimizer_tensors(optimizer))}
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's per-parameter state tensors (AdamW's moments; scalar step counters left out)."""
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> int:

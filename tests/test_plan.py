@@ -2,7 +2,10 @@
 
 Its parameter bytes are what `fully_shard` really holds on each rank at that world size (PyTorch's
 fake process group, meta tensors: nothing is allocated), for an even and an uneven world size;
-TLT's 7B GRPO run fits 8 x 141 GB with FSDP and not with DDP; bad input is refused by name.
+TLT's 7B GRPO run fits 8 x 141 GB with FSDP and not with DDP; the rollout's tensor-parallel shard is
+what torch's `parallelize_module` holds; the logits row is the chunk's measured peak; the issue's
+goals (Qwen2.5-32B on 8 x 141 GB, Qwen2.5-7B under 70 GB a rank); bad input is refused by name.
+Per-rank bytes of real gloo ranks: tests/rl/test_plan_ranks.py.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def test_parameter_bytes_equal_what_fully_shard_holds(world_size) -> None:
 
     from reclaim.fsdp import parallelize
 
-    cfg = load_config(GRPOConfig, "grpo-qwen2.5-7b-tlt", [])
+    cfg = load_config(GRPOConfig, "grpo-qwen2.5-7b-tlt", ["--rollout_tensor_parallel_size", "1"])  # divides 1 and 3
     path = model_config_path("qwen2.5-7b")
     want = plan(cfg, path, world_size, "fsdp").rows["parameters"]
     held = []
@@ -55,7 +58,8 @@ def test_tlt_7b_fits_eight_h200s_with_fsdp_not_with_ddp() -> None:
     for k in ("gradients", "optimizer"):
         assert rows_d[k] == 8 * rows_f[k]
     assert rows_f["optimizer"] == 2 * rows_f["parameters"]  # AdamW's two moments
-    assert rows_f["rollout_weights"] == rows_d["rollout_weights"] == 4 * 7_615_616_512  # the full model per rank
+    # bfloat16 rollout weights, a tensor-parallel shard of 4 (the same under either parallelism)
+    assert rows_f["rollout_weights"] == rows_d["rollout_weights"] < 2 * 7_615_616_512 / 4 * 1.01
     assert fsdp["min_kv_bytes"] <= rows_f["kv_cache"]
 
 
@@ -71,6 +75,9 @@ def test_a_reference_model_is_planned_sharded_without_gradients() -> None:
     (["--parallelism", "zero3"], "parallelism 'zero3' is not one of"),
     (["--device-memory", "lots"], "bad size 'lots'"),
     (["--model-config", "gpt-5"], "model config 'gpt-5' is neither"),
+    (["--rollout_tensor_parallel_size", "3"], "rollout_tensor_parallel_size=3 does not divide the world"),
+    (["--world-size", "6", "--rollout_tensor_parallel_size", "6"],
+     "num_attention_heads (28); allowed: a divisor of 6, 28 and 4"),
 ])
 def test_bad_input_is_named(args, message) -> None:
     base = ["plan", "--config", "grpo-qwen2.5-7b-tlt", "--model-config", "qwen2.5-7b"]
@@ -83,3 +90,95 @@ def test_a_model_the_trainer_cannot_build_is_refused_by_type(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
     with pytest.raises(ValueError, match="unsupported model_type 'mamba'; supported: "):
         plan(load_config(GRPOConfig, "grpo-qwen2.5-7b-tlt", []), model_config_path(str(tmp_path)), 2, "fsdp")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_rollout_shard_is_what_tensor_parallel_holds(tp) -> None:
+    """Megatron's split by torch's DTensor tensor parallelism on a fake process group (meta
+    tensors): q/k/v, gate, up and the head by output rows, o and down by input columns, the
+    embeddings by vocabulary rows (Qwen2.5's q/k/v biases with their rows)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    path = model_config_path("qwen2.5-7b")
+    cfg = load_config(GRPOConfig, "grpo-qwen2.5-7b-tlt", ["--rollout_tensor_parallel_size", str(tp)])
+    want = plan(cfg, path, 8, "fsdp").rows["rollout_weights"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        model = meta_model(path)
+        layout = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel()}
+        for i in range(len(model.model.layers)):
+            at = f"model.layers.{i}"
+            layout |= {f"{at}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+            layout |= {f"{at}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
+            layout |= {f"{at}.self_attn.o_proj": RowwiseParallel(), f"{at}.mlp.down_proj": RowwiseParallel()}
+        parallelize_module(model, init_device_mesh("cpu", (tp,)), layout)
+        held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 2 for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    assert want == held
+
+
+def test_the_logits_row_is_the_chunks_measured_peak() -> None:
+    """The peak bytes of [positions, vocabulary] tensors alive at once in a chunked forward and
+    backward (each storage counted from its creation to its release), float32 and bf16 autocast:
+    16 bytes per position and vocabulary entry in both."""
+    import sys
+    import weakref
+    from pathlib import Path
+
+    import torch
+
+    from reclaim.plan import LOGITS_BYTES
+    from reclaim.rl.logps import completion_logps
+
+    sys.path.insert(0, str(Path(__file__).parent / "rl"))
+    from rl_helpers import tiny_target
+
+    vocab, chunk = 997, 16
+
+    class Live(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live, self.peak, self.seen = 0, 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == vocab and t.shape[0] != hidden:
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in self.seen:
+                        self.seen.add(st.data_ptr())
+                        self.live += st.nbytes()
+                        self.peak = max(self.peak, self.live)
+                        weakref.finalize(st, self._free, st.data_ptr(), st.nbytes())
+            return out
+
+        def _free(self, ptr: int, n: int) -> None:
+            self.live -= n
+            self.seen.discard(ptr)
+
+    model = tiny_target(vocab)
+    hidden = model.config.hidden_size  # the head's weight, transposed, is [hidden, vocab]: not logits
+    for autocast in (False, True):
+        spy = Live()
+        with spy, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logps, _ = completion_logps(model, [[3, 4, 5]] * 4, [list(range(10, 50))] * 4, entropy=True,
+                                        chunk_size=chunk)
+            logps.sum().backward()
+        assert spy.peak == pytest.approx(chunk * vocab * LOGITS_BYTES, rel=0.10), autocast
+
+
+def test_the_goals_qwen_32b_on_eight_h200s_and_7b_under_70_gb() -> None:
+    """TLT's config (bf16 rollouts at tensor parallel 4, logits in chunks, AdamW's moments offloaded)."""
+    runner = CliRunner()
+    big = json.loads(runner.invoke(app, [*TLT[:-1], "--json", "--model-config", "qwen2.5-32b"]).output)
+    assert big["fits"] is True and big["total_bytes"] == max(big["phase_bytes"].values())
+    seven = json.loads(runner.invoke(app, TLT).output)
+    assert seven["total_bytes"] <= 70e9
+    assert seven["offload_bytes_each_way"] == seven["per_rank_bytes"]["optimizer"]
+    off = json.loads(runner.invoke(app, [*TLT, "--optimizer_offload", "false"]).output)
+    assert off["phase_bytes"]["training"] - seven["phase_bytes"]["training"] == seven["per_rank_bytes"]["optimizer"]

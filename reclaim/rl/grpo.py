@@ -13,11 +13,13 @@ gradient_accumulation_steps, its default):
    times), reference log-probs when beta > 0 (the starting model, frozen).
 4. gradient_accumulation_steps micro-batches of per_device_train_batch_size completions: the
    policy's log-probs of the completion tokens (a training forward with logits only at the
-   completion positions, divided by temperature; each distinct prompt runs once for all its
-   completions, packed behind it in one row: logps.py), the clipped ratio loss with epsilon and
-   epsilon_high, plus beta * k3 KL, normalised per loss_type as TRL does; then one optimizer step.
-5. The new weights go into the engine (`update_weights`: version bumped; the next rollout starts
-   from them, no K/V of old weights reused).
+   completion positions, divided by temperature, logits_chunk_size positions at a time; each
+   distinct prompt runs once for all its completions, packed behind it in one row: logps.py),
+   the clipped ratio loss with epsilon and epsilon_high, plus beta * k3 KL, normalised per
+   loss_type as TRL does; then one optimizer step.
+5. The new weights go into the engine's copy in rollout_dtype (`update_weights`, each tensor cast
+   on its shard and gathered one at a time: rollout_weights.py; version bumped; the next rollout
+   starts from them, no K/V of old weights reused).
 
 `reclaim grpo --config grpo-smollm2` runs it with a progress bar, output_dir/log.jsonl,
 checkpoint-{step}/ directories and --resume. A checkpoint is the policy in HF layout (for users
@@ -56,7 +58,7 @@ from reclaim.checkpoints import (
 )
 from reclaim.drafter.online import OnlineDrafterTrainer
 from reclaim.fsdp import (
-    FullWeights, checkpoint_layers, clip_grad_norm_, decoder_layers, parallelize, training_bytes,
+    FullWeights, checkpoint_layers, clip_grad_norm_, decoder_layers, local_bytes, parallelize, training_bytes,
 )
 from reclaim.optim import adamw
 from reclaim.rl.data import build_dataset, prompt_rows
@@ -64,8 +66,10 @@ from reclaim.rl.distributed import World, accumulating
 from reclaim.rl.grpo_config import GRPOConfig
 from reclaim.rl.logps import completion_logps
 from reclaim.rl.loss import grpo_loss
+from reclaim.rl.offload import Offload
 from reclaim.rl.rewards import load_reward
 from reclaim.rl.rollout import RolloutBatch, drafter_path, rollout, rollout_runner, spec_arms, speculative_arm
+from reclaim.rl.rollout_weights import host_copy, rollout_copy, rollout_dtype
 from reclaim.schedule import lr_scheduler
 from reclaim.trackers import RunLog, progress_bar
 
@@ -96,7 +100,8 @@ def _chunked_logps(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig,
     with torch.no_grad(), precision(cfg.bf16, model):
         for idx in _micro_batches(batch, cfg, world):
             lp, _ = completion_logps(model, [batch.prompt_ids[i] for i in idx],
-                                     [batch.completion_ids[i] for i in idx], cfg.temperature)
+                                     [batch.completion_ids[i] for i in idx], cfg.temperature,
+                                     chunk_size=cfg.logits_chunk_size)
             out[idx, :lp.shape[1]] = lp.float().cpu()
     return world.sum_(out)
 
@@ -119,7 +124,7 @@ def backward_step(model: torch.nn.Module, batch: RolloutBatch, cfg: GRPOConfig, 
         with accumulating(model, last=n == len(micro) - 1):
             with precision(cfg.bf16, model):
                 logps, ent = completion_logps(model, [batch.prompt_ids[i] for i in idx], comps, cfg.temperature,
-                                              entropy=True)
+                                              entropy=True, chunk_size=cfg.logits_chunk_size)
             loss, sums = grpo_loss(logps.float(), batch.advantages[idx].to(device), mask, loss_type=cfg.loss_type,
                                    epsilon_low=cfg.epsilon_low, epsilon_high=cfg.upper_epsilon, beta=cfg.beta,
                                    old_logps=pick(batch.old_logps), ref_logps=pick(batch.ref_logps),
@@ -220,6 +225,10 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         raise ValueError(f"per_device_train_batch_size * gradient_accumulation_steps * world size = "
                          f"{cfg.generation_batch_size * world.size} completions per step must be a multiple of "
                          f"num_generations={cfg.num_generations}")
+    if cfg.rollout_tensor_parallel_size != 1:
+        raise ValueError(f"rollout_tensor_parallel_size={cfg.rollout_tensor_parallel_size}: this build rolls out on "
+                         "one rank per engine (no tensor-parallel engine yet); allowed: 1 (`reclaim plan` prices "
+                         "larger sizes)")
     main = world.is_main
     out = Path(cfg.output_dir)
     rows = build_dataset(cfg)
@@ -244,7 +253,9 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     if cfg.beta > 0:  # the starting model, also on resume
         ref = load_model(cfg.model, dtype=dtype, device=cfg.device)[0] if last else copy.deepcopy(model)
         ref.requires_grad_(False)
-    served = copy.deepcopy(model)  # the rollout engine's full weights (each rank rolls out its share)
+    # The rollout engine's full weights in rollout_dtype (each rank rolls out its share).
+    served_dtype = rollout_dtype(cfg.rollout_dtype, model)
+    served = rollout_copy(model, served_dtype)
     prompts = [encode_chat(tokenizer, r["prompt"]) for r in rows]
     if cfg.max_prompt_length is not None:
         prompts = [p[-cfg.max_prompt_length:] for p in prompts]
@@ -259,9 +270,10 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
     if last is not None:
         load_trainer_state(last, model, opt, sched, world)
-        served.load_state_dict(FullWeights(model))
+        served.load_state_dict(FullWeights(model, dtype=served_dtype))
     engine, online = _open_engine(cfg, served, tokenizer, max_len, last)
     eos = set(engine.eos_token_ids)
+    kv_bytes = local_bytes([*engine.runner.pool.k, *engine.runner.pool.v])  # the engine's K/V pool
     decisions = out / ("spec_decisions.jsonl" if main else f"spec_decisions-rank{world.rank}.jsonl")
 
     def log_decision(d: dict[str, Any]) -> None:
@@ -291,6 +303,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     if main:
         (out / "train_config.json").write_text(json.dumps({**config_dict, "world_size": world.size}, indent=2) + "\n")
 
+    offload = Offload(cfg.param_offload, cfg.optimizer_offload, next(model.parameters()).device)
     per_step = cfg.generation_batch_size * world.size // cfg.num_generations
     run_log = RunLog(cfg.report_to, out, config=config_dict, resume_step=step, main=main)
     bar = progress_bar(cfg.max_steps, step, "grpo", show=progress and main)
@@ -300,9 +313,11 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         rec: dict[str, Any] = {}
         if step % cfg.num_iterations == 0 or batch is None:
             idx = prompt_rows(len(rows), per_step, step // cfg.num_iterations, cfg.seed)
+            offload.to_host(model, opt)
             batch = rollout(engine, [rows[i] for i in idx], [prompts[i] for i in idx], step, cfg,
                             reward_funcs, reward_names, eos, completions_log if cfg.log_completions else None,
                             runner, world, online)
+            offload.params_to_device(model)
             if cfg.num_iterations > 1:
                 batch.old_logps = _chunked_logps(model, batch, cfg, world)
             if ref is not None:
@@ -315,11 +330,17 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         rec.update(backward_step(policy, batch, cfg, world))
         rec["grad_norm"] = clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         rec["learning_rate"] = opt.param_groups[0]["lr"]
+        offload.optimizer_to_device(opt)
         opt.step()
         rec.update({f"memory/{k}": v for k, v in training_bytes(model, opt).items()})  # this rank's share
+        rec["memory/rollout_weights_bytes"] = local_bytes(served.parameters())
+        rec["memory/kv_cache_bytes"] = kv_bytes
+        if offload.enabled:
+            rec.update(offload.take())
         sched.step()
         opt.zero_grad(set_to_none=True)
-        rec["weights_version"] = engine.update_weights(FullWeights(model))  # fsdp: gathered layer by layer
+        # fsdp: each tensor cast to the rollout dtype on its shard, then gathered, one at a time
+        rec["weights_version"] = engine.update_weights(FullWeights(model, dtype=served_dtype))
         rec["train_s"] = time.perf_counter() - t_train
         # The drafter's tau replay is a measurement, not part of the step.
         rec["step_time"] = time.perf_counter() - t0 - rec.get("drafter/eval_s", 0.0)
@@ -338,8 +359,11 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             state = {"global_step": step, "max_steps": cfg.max_steps, "log_history": history,
                      "log_window": window, "config": config_dict, "world_size": world.size}
             pending = batch if step % cfg.num_iterations else None
-            # The HF-layout policy is the engine's copy: the full weights of this very step.
-            save_grpo_checkpoint(out, step, model, engine.model, tokenizer, opt, sched, state, pending, online, world)
+            # The HF-layout policy: the engine's copy (the full weights of this very step) where it
+            # keeps the training dtype, else those gathered into host memory in the training dtype.
+            train_dtype = next(model.parameters()).dtype
+            full = engine.model if served_dtype == train_dtype else host_copy(served, model, train_dtype, main)
+            save_grpo_checkpoint(out, step, model, full, tokenizer, opt, sched, state, pending, online, world)
             if main and cfg.save_total_limit:
                 for old in checkpoints(out, require=TRAINER_STATE)[:-cfg.save_total_limit]:
                     shutil.rmtree(old, ignore_errors=True)

@@ -12,6 +12,7 @@ from reclaim.engine.config import EngineConfig
 from reclaim.engine.speculative import SPECULATIVE_METHODS as SPEC_METHODS
 from reclaim.fsdp import PARALLELISMS
 from reclaim.rl.loss import LOSS_TYPES, SCALE_REWARDS
+from reclaim.rl.rollout_weights import ROLLOUT_DTYPES
 from reclaim.schedule import SCHEDULES
 from reclaim.trackers import report_to_list
 
@@ -29,8 +30,14 @@ class GRPOConfig:
     model: str | None = None  # HF directory; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"  # auto: the checkpoint's own dtype
     # transformers' `bf16`: the training forwards and backward under bfloat16 autocast (matmuls in
-    # bf16; weights, gradients and optimizer in `dtype`). Rollouts keep `dtype`.
+    # bf16; weights, gradients and optimizer in `dtype`).
     bf16: bool = False
+    # The rollout engine's copy of the policy (rl/rollout_weights.py): bfloat16 as verl and TLT
+    # roll out, refreshed from the trainer's weights after each step; auto: the training dtype.
+    rollout_dtype: str = "bfloat16"
+    # Ranks of a rollout engine's tensor-parallel group (verl's tensor_model_parallel_size); `reclaim
+    # plan` prices its shard. GRPO itself rolls out at 1 until the tensor-parallel engine lands.
+    rollout_tensor_parallel_size: int = 1
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
     # Under torchrun: "ddp" (a replica per rank, gradients all-reduced) or "fsdp" (FSDP2's
@@ -38,6 +45,11 @@ class GRPOConfig:
     # state and the reference model per rank; reclaim/fsdp.py). One process: no difference.
     parallelism: str = "ddp"
     fsdp_cpu_offload: bool = False  # fsdp: the shards and the optimizer state in host memory
+    # verl's names: while rolling out, the policy's parameters (this rank's shards) and / or
+    # AdamW's moments wait in host memory (rl/offload.py); the moments come back just before the
+    # optimizer step. On a CPU the moves are no-ops.
+    param_offload: bool = False
+    optimizer_offload: bool = False
     gradient_checkpointing: bool = False  # transformers' name: each decoder layer reruns its forward in the backward
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
     task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, "all", or rg:<dataset>[,<dataset>]
@@ -68,6 +80,10 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon
     num_iterations: int = 1
+    # Completion positions whose logits are made at once (the policy's, the old policy's and the
+    # reference model's log-probs; rl/logps.py): a [tokens, vocabulary] tensor is never whole.
+    # None: a micro-batch's all at once.
+    logits_chunk_size: int | None = 1024
     # Optimisation (transformers' TrainingArguments names; AdamW).
     learning_rate: float = 1e-6
     lr_scheduler_type: str = "linear"
@@ -120,12 +136,13 @@ class GRPOConfig:
             self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         choices = [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("lr_scheduler_type", SCHEDULES),
-                   ("dtype", ("float32", "bfloat16", "float16", "auto")), ("parallelism", PARALLELISMS)]
+                   ("dtype", ("float32", "bfloat16", "float16", "auto")), ("parallelism", PARALLELISMS),
+                   ("rollout_dtype", ROLLOUT_DTYPES)]
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
         for name in ("num_prompts", "max_completion_length", "max_num_seqs", "num_iterations",
-                     "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps"):
+                     "rollout_tensor_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("beta", "epsilon", "learning_rate", "weight_decay", "save_steps", "warmup_steps"):
@@ -145,6 +162,9 @@ class GRPOConfig:
         if self.fsdp_cpu_offload and self.parallelism != "fsdp":
             raise ValueError(f"fsdp_cpu_offload offloads FSDP's shards; it needs parallelism 'fsdp', "
                              f"got parallelism={self.parallelism!r}")
+        if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
+            raise ValueError(f"logits_chunk_size must be >= 1 or None (all positions at once), got "
+                             f"{self.logits_chunk_size}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
         if not 0 <= self.warmup_ratio < 1:

@@ -13,6 +13,15 @@ Attention is dense over a row (T^2 query-key pairs for T tokens), so long comple
 it the larger cost: a row takes completions only up to `row_budget` tokens (where the dense
 attention costs a quarter of the linear layers: 768 for SmolLM2, 6,600 for Llama-3-8B) and a
 prompt with more completions than fit gets several rows, each starting with it.
+
+The LM head runs in chunks of `chunk_size` completion positions (TRL's and Liger's answer to a
+152K vocabulary): the decoder's final hidden states are taken at the positions that predict a
+completion token, and each chunk of them goes through the head, the log-softmax and the gather on
+its own, under activation checkpointing, so the backward recomputes one chunk's logits at a time.
+A [tokens, vocabulary] tensor is never whole, forward or backward: at Qwen2.5's 152K vocabulary
+32K completion tokens would take 20 GB of float32 logits and as much again for their
+log-softmax. The price is the head's forward run twice for the gradient (Liger avoids it by
+fusing the loss's gradient into the chunk; GRPO's loss only needs the log-probs, [N, C]).
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from reclaim.models.cache import GivenMask
 
@@ -131,29 +142,77 @@ def packed_mask(packed: Packed, window: int | None = None) -> torch.Tensor:
 
 def completion_logps(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                      completion_ids: Sequence[Sequence[int]], temperature: float = 1.0,
-                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy: bool = False, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, C] of each completion's tokens under `model` given its prompt (logits /
     temperature), and the entropies there if asked; C is the longest completion, shorter rows
-    padded with 0. Logits are computed only at the positions that predict completion tokens."""
+    padded with 0. Logits are computed only at the positions that predict completion tokens,
+    `chunk_size` of them at a time (None: all at once)."""
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None (all positions at once), got {chunk_size}")
     device = next(model.parameters()).device
-    config = getattr(model, "module", model).config  # under DDP the policy is model.module
+    inner = getattr(model, "module", model)  # under DDP the policy is model.module
+    config = inner.config
     packed = pack(prompt_ids, completion_ids, row_budget(config))
     cache = GivenMask(packed_mask(packed, config.sliding_window).to(device), config.sliding_window)
-    logits = model(packed.ids.to(device), packed.positions.to(device), cache,
-                   logit_positions=packed.slots.to(device)).logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    slot_logps = logp_all.gather(-1, packed.targets.to(device)[..., None]).squeeze(-1)
+    ids, positions, slots = packed.ids.to(device), packed.positions.to(device), packed.slots.to(device)
+    targets = packed.targets.to(device)
+    if chunk_size is None:
+        logits = model(ids, positions, cache, logit_positions=slots).logits / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        slot_logps = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+        slot_ent = None
+        if entropy:
+            with torch.no_grad():
+                slot_ent = -(logp_all.exp() * logp_all).sum(-1)
+    else:
+        hidden = model(ids, positions, cache, return_hidden=True, compute_logits=False).hidden
+        valid = packed.slot_valid.flatten().nonzero().squeeze(-1).to(device)
+        at = slots.flatten()[valid]  # the valid slots' positions in [G * T]
+        rows = valid // slots.shape[1]
+        h = hidden[rows, at]  # [M, H]: only the positions that predict a completion token
+        lp, ent = chunked_head_logps(h, inner.lm_head.weight, targets.flatten()[valid], temperature,
+                                     chunk_size, entropy)
+        slot_logps = lp.new_zeros(slots.numel()).index_put((valid,), lp)
+        slot_ent = None if ent is None else ent.new_zeros(slots.numel()).index_put((valid,), ent)
     gather = packed.gather.to(device)
 
-    def per_completion(slot_values: torch.Tensor) -> torch.Tensor:  # [G, K] -> [N, C], 0 past each end
+    def per_completion(slot_values: torch.Tensor) -> torch.Tensor:  # [G, K] or [G * K] -> [N, C], 0 past each end
         return torch.cat([slot_values.flatten(), slot_values.new_zeros(1)])[gather]
 
-    logps = per_completion(slot_logps)
+    return per_completion(slot_logps), None if slot_ent is None else per_completion(slot_ent)
+
+
+def chunked_head_logps(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                       temperature: float, chunk_size: int, entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(hidden @ head_weight.T / temperature) at `targets` [M] (and the entropies if
+    asked) for hidden [M, H], `chunk_size` rows at a time; with autograd on, each chunk's logits
+    are recomputed in the backward instead of kept."""
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
+    lps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[s:s + chunk_size], head_weight, targets[s:s + chunk_size], temperature, entropy)
+        lp, ent = checkpoint(_head_logps, *args, use_reentrant=False) if grad else _head_logps(*args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        return empty, empty if entropy else None
+    return torch.cat(lps), torch.cat(ents) if entropy else None
+
+
+def _head_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: its logits (float32 at least, as the model's forward returns them), their
+    log-softmax at the targets and, without gradient, their entropies."""
+    logits = F.linear(h, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
     ent = None
     if entropy:
         with torch.no_grad():
-            ent = per_completion(-(logp_all.exp() * logp_all).sum(-1))
-    return logps, ent
+            ent = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), ent
 
 
 def completion_mask(completion_ids: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:

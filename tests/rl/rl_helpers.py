@@ -58,12 +58,12 @@ def fixed_depth(**fields):
     return SpeculativeConfig(**fields, **({"dynamic_depth": False} if "dynamic_depth" in names else {}))
 
 
-def torchrun(script: str, *args: str, timeout: int = 600) -> None:
-    """`script` under torchrun on two local ranks (one thread each, this folder importable), with
+def torchrun(script: str, *args: str, timeout: int = 600, nproc: int = 2) -> None:
+    """`script` under torchrun on `nproc` local ranks (one thread each, this folder importable), with
     its stderr in the failure (Python and C++ stacks where a rank dies on a signal)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            script, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -37,8 +37,9 @@ COMPARED = ("loss", "reward", "reward_std", "rewards/even/mean", "completions/me
 
 
 def fields(root: Path, name: str, world: int, **kw) -> dict:
-    """grpo-tiny on the float64 model: 3 steps of 8 completions (4 prompts x 2), 4 per micro-batch."""
-    return {"model": str(root / "tiny"), "dtype": "auto", "output_dir": str(root / name), "max_steps": 3,
+    """grpo-tiny on the float64 model: 3 steps of 8 completions (4 prompts x 2), 4 per micro-batch;
+    float64 rollouts too, so the runs compare exactly."""
+    return {"model": str(root / "tiny"), "dtype": "auto", "rollout_dtype": "auto", "output_dir": str(root / name), "max_steps": 3,
             "reward_funcs": [f"{root / 'even.py'}:even"], "max_completion_length": 12, "log_completions": True,
             "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2 // world, "save_steps": 1, **kw}
 

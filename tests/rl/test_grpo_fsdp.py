@@ -7,7 +7,8 @@ rewards, losses, grad norms and final weights of one process accumulating both h
 the reference model, and with it (beta > 0, the reference sharded too) plus gradient
 checkpointing and two micro-batches per rank (no reduce-scatter until the last). A checkpoint
 written by the two FSDP ranks resumes in one process, and one written by one process resumes on
-two FSDP ranks, each reproducing the uninterrupted run.
+two FSDP ranks, each reproducing the uninterrupted run. With bfloat16 rollouts (the engine's copy
+refreshed from the shards) two ranks equal one process too.
 
 Tolerance: 1e-9 relative (float64). The ranks' partial gradient sums are added in another order
 than one process adds its micro-batches, which moves the last bits (~1e-16 relative per step,
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.launches  # torchrun ranks: run first (tests/conftest.p
 
 FSDP = {"parallelism": "fsdp"}
 REF = {"beta": 0.04, "gradient_checkpointing": True}
+BF16_ROLLOUT = {"rollout_dtype": "bfloat16"}
+OFFLOAD = {"param_offload": True, "optimizer_offload": True}
 
 
 def _run(root: Path, name: str, world: int, **kw) -> None:
@@ -50,6 +53,8 @@ def _worker(root: Path) -> None:
     _run(root, "fsdp", 2, **FSDP)
     _run(root, "fsdp-ref", 2, **FSDP, **REF, **{**ACCUM, "gradient_accumulation_steps": 2})
     _run(root, "one-to-fsdp", 2, **FSDP, resume_from_checkpoint=True)
+    _run(root, "fsdp-bf16", 2, **FSDP, **BF16_ROLLOUT)
+    _run(root, "fsdp-offload", 2, **FSDP, **OFFLOAD)
     dist.destroy_process_group()
 
 
@@ -71,6 +76,7 @@ def _build(root: Path) -> None:
     try:
         _run(root, "one", 1)
         _run(root, "one-ref", 1, **REF, **ACCUM)
+        _run(root, "one-bf16", 1, **BF16_ROLLOUT)
     finally:
         torch.set_num_threads(threads)
     shutil.copytree(root / "one", root / "one-to-fsdp")
@@ -88,6 +94,30 @@ def test_two_fsdp_ranks_equal_one_process(runs) -> None:
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert 0.5 <= two[f"memory/{k}"] / one[f"memory/{k}"] < 0.52, k
     assert one["memory/optimizer_bytes"] == 2 * one["memory/params_bytes"]  # AdamW: two moments
+
+
+def test_bfloat16_rollouts_refreshed_from_the_shards_equal_one_process(runs) -> None:
+    """rollout_dtype bfloat16: the engine's copy is the float64 policy cast tensor by tensor on
+    each rank's shard, then gathered; two ranks roll out and train as one process does, the
+    checkpoint's HF weights stay float64 (the training dtype, _same_run checks it), the copy is a
+    quarter of the policy's bytes, and the rollouts differ from float64 ones (the copy is used)."""
+    _same_run(runs / "one-bf16", runs / "fsdp-bf16")
+    bf16 = (runs / "one-bf16" / "completions.jsonl").read_text()
+    assert bf16 == (runs / "fsdp-bf16" / "completions.jsonl").read_text()
+    assert bf16 != (runs / "one" / "completions.jsonl").read_text()
+    one, two = (json.loads((runs / r / "log.jsonl").read_text().splitlines()[-1]) for r in ("one-bf16", "fsdp-bf16"))
+    assert one["memory/rollout_weights_bytes"] == two["memory/rollout_weights_bytes"] \
+        == one["memory/params_bytes"] // 4
+
+
+def test_offloading_the_shards_and_moments_while_rolling_out_changes_nothing(runs) -> None:
+    """param_offload and optimizer_offload: the shards move with module.to, which FSDP2 follows
+    (a no-op on this CPU); the run equals one process's, and each step moves this rank's shards
+    and moments out and back."""
+    _same_run(runs / "one", runs / "fsdp-offload")
+    for line in (runs / "fsdp-offload" / "log.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        assert r["offload/bytes"] == 2 * (r["memory/params_bytes"] + r["memory/optimizer_bytes"]) > 0
 
 
 def test_with_the_sharded_reference_model_and_checkpointed_layers(runs) -> None:

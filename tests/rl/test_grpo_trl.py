@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10]]
 COMPLETIONS = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30, 31, 32]]
 MAX_COMPLETION_LENGTH, GA, TEMPERATURE = 6, 2, 0.8
+CHUNK = 3  # log-probs three completion positions at a time, as GRPO runs them (logits_chunk_size)
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +83,14 @@ def test_loss_and_gradient_equal_trls(setup, tmp_path, loss_type, case, one_thre
     old = ref = None
     if beta:  # old-policy and reference log-probs off by up to +-0.5 nats
         with torch.no_grad():
-            base, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE)
+            base, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE, chunk_size=CHUNK)
         g = torch.Generator().manual_seed(0)
         old = (base + (torch.rand(base.shape, generator=g) - 0.5)) * mask
         ref = (base + (torch.rand(base.shape, generator=g) - 0.5)) * mask
 
     ours.zero_grad(set_to_none=True)
     ours.train()
-    logps, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE)
+    logps, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE, chunk_size=CHUNK)
     loss, sums = grpo_loss(logps, advantages, mask, loss_type=loss_type, epsilon_low=eps,
                            epsilon_high=eps if eps_high is None else eps_high, beta=beta, old_logps=old,
                            ref_logps=ref, use_bias_correction_kl=corrected,
@@ -152,7 +153,7 @@ def test_bf16_mixed_precision_equals_trls(setup, tmp_path, one_thread):
         ours.zero_grad(set_to_none=True)
         ours.train()
         with precision(bf16, ours):
-            logps, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE)
+            logps, _ = completion_logps(ours, PROMPTS, COMPLETIONS, TEMPERATURE, chunk_size=CHUNK)
         loss, _ = grpo_loss(logps, advantages, mask, loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.2,
                             gradient_accumulation_steps=GA)
         loss.backward()
