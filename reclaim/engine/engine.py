@@ -169,7 +169,8 @@ class Engine:
 
     def release(self, result: Any = None) -> None:
         """The TP leader: let the followers out of `follow()`, handing them `result` (no-op without TP)."""
-        self.runner.release(result)
+        with self._step_lock:
+            self.runner.release(result)
 
     def _default_eos(self) -> list[int]:
         ids = self.model.config.eos_token_id
