@@ -176,6 +176,9 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     if tp > 1 and dist.get_rank() != 0:  # a follower: the leader's forwards until it shuts down
         from reclaim.engine.engine import Engine
 
+        # torchrun passes a SIGTERM to every rank: the leader drains, then lets this one go
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
         Engine(weights, tokenizer, engine_config, tp_group=tp_group, tp_control=tp_control).follow()
         dist.destroy_process_group()
         return 0
