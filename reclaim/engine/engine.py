@@ -507,8 +507,10 @@ class Engine:
 
         Running requests go on with the new weights; with kv_on_weight_update="recompute" (the
         default) their cached K/V is recomputed first, so no new token attends to K/V made by
-        the old weights. Each output reports the version of its tokens.
+        the old weights. Each output reports the version of its tokens. On a TP engine every rank
+        calls it (between generate calls) with the unsharded model's tensors and keeps its shard.
         """
+        tp = self.runner.tp
         with self._step_lock:
             own = self.model.state_dict()
             unknown = sorted(set(state_dict) - set(own))
@@ -516,6 +518,8 @@ class Engine:
                 raise ValueError(f"unknown parameter names {unknown[:5]}; expected names of model.state_dict()")
             with torch.no_grad():
                 for name, value in state_dict.items():
+                    if tp is not None:
+                        value = tp.shard(name, value)
                     if own[name].shape != value.shape:
                         raise ValueError(
                             f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
