@@ -98,10 +98,10 @@ class ModelRunner:
         accepted tree path moves into place after the prefix."""
         pairs = [(s, d) for s, d in zip(src, dst) if s != d]
         if pairs:
-            self._move(list(self.blocks.tables[seq_id]), [s for s, _ in pairs], [d for _, d in pairs])
+            self._move(self.blocks.tables[seq_id], [s for s, _ in pairs], [d for _, d in pairs])
 
     def _move(self, table: list[int], src: list[int], dst: list[int]) -> None:
-        if self.channel is not None:
+        if self.channel is not None and self.channel.is_leader:
             self.channel.send("move", table, src, dst)
         self.pool.move(self.pool.slots(table, src), self.pool.slots(table, dst))
 
@@ -135,7 +135,7 @@ class ModelRunner:
                   and all(len(r.token_ids) == 1 and r.parents is None for r in rows))
         # A compiled decode sees few shapes: batches padded to a bucket (2 at least: a dimension
         # of 1 would get a graph of its own), block tables of one width.
-        batch = dict(tables=[list(self.blocks.tables[r.seq_id]) for r in rows], past=[r.start for r in rows],
+        batch = dict(tables=[self.blocks.tables[r.seq_id] for r in rows], past=[r.start for r in rows],
                      new=[len(r.token_ids) for r in rows], trees=[r.parents for r in rows],
                      token_ids=[r.token_ids for r in rows], pad_to=max(2, bucket(len(rows))) if decode else None,
                      table_width=max(2, self._table_width) if decode else None)
@@ -189,7 +189,7 @@ class ModelRunner:
                 elif op == "logits":
                     self._logits(self.channel.share(None, *args))
                 elif op == "move":
-                    self.pool.move(self.pool.slots(args[0], args[1]), self.pool.slots(args[0], args[2]))
+                    self._move(*args)
                 elif op == "stop":
                     return args[0]
                 else:
@@ -282,15 +282,19 @@ class ModelRunner:
                 chosen[j] = t if isinstance(t, Exception) else [t]
                 if not isinstance(t, Exception) and feats[j] is not None:
                     out.observed.append((chunks[j].request_id, chunks[j].start, rows[j].token_ids, feats[j]))
+        at_rows: dict[int, list[int]] = {}  # a verified row's logits rows: the pending token's, then its path's
         if drafted:
             for j, got in zip(drafted, results.pop(0)):
                 chosen[j] = got if isinstance(got, Exception) else \
                     self._verified(out, chunks[j], reqs[j], checked[j][1], got, feats[j])
+                if not isinstance(got, Exception):
+                    at_rows[j] = [0] + [1 + i for i in got[1]]
         want = [j for j, req in enumerate(reqs)
                 if req.seq.params.logprobs is not None and not isinstance(chosen[j], Exception)]
         lps = {}
         if want:  # every row's logprobs read together
-            flat = token_logprobs(torch.cat([per_row[j][: len(chosen[j])] for j in want]),
+            flat = token_logprobs(torch.cat([per_row[j][at_rows[j]] if j in at_rows else per_row[j][: len(chosen[j])]
+                                             for j in want]),
                                   [t for j in want for t in chosen[j]],
                                   [reqs[j].seq.params.logprobs for j in want for _ in chosen[j]])
             at = 0

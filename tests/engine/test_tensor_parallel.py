@@ -2,13 +2,14 @@
 
 One torchrun run checks what a user of `--tensor-parallel-size 2` relies on, against one process
 with the whole model as the oracle: the sharded model's logits, the greedy outputs of plain and
-suffix-speculative decoding (identical, float32 and float64), and the sampled distribution (the
+suffix-speculative decoding (chains and trees; identical, float32 and float64), and the sampled distribution (the
 engine's two-sample chi-square test, which a different temperature fails). Bad input is refused
 by name before any weights are touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -16,12 +17,12 @@ import pytest
 import torch
 
 from engine_helpers import TINY, make_pair
-from test_speculative import same_distribution
+from test_speculative import _AlwaysDraft, same_distribution
 
 from reclaim.engine.config import EngineConfig
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.speculative import SpeculativeConfig
+from reclaim.engine.speculative import Draft, SpeculativeConfig
 from reclaim.engine.tensor_parallel import check_launch
 from reclaim.models.llama_config import LlamaConfig
 from reclaim.models.tensor_parallel import check_tensor_parallel
@@ -62,6 +63,29 @@ def _hist(outputs, v: int) -> torch.Tensor:
     return c
 
 
+class _EveryToken(_AlwaysDraft):
+    """A tree of every token of an 8-token vocabulary as the next one: one branch is always
+    accepted, mostly not the first, so its K/V moves into place."""
+
+    def propose(self, reqs):
+        return [Draft(list(range(8)), None, [-1] * 8) for _ in reqs]
+
+
+def _tree_moves(target, **kw) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs (which a K/V left unmoved on any rank would change)."""
+    eng = Engine(target, num_blocks=64, block_size=4, **kw)
+    params = dataclasses.replace(GREEDY, logprobs=0)
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in eng.generate([CHI_PROMPT, [1, 2, 3]], params)]
+
+
+def _tree_target():
+    return make_pair(seed=4, vocab_size=8)[0].double()
+
+
+TREES = dict(proposer=_EveryToken(), speculative=SpeculativeConfig(max_batch=64, num_speculative_tokens=8,
+                                                                   measured_costs=False))
+
+
 def _worker(out: Path) -> None:
     import torch.distributed as dist
 
@@ -72,13 +96,16 @@ def _worker(out: Path) -> None:
         model = _model(dtype, tie_word_embeddings=name == "float32", attention_bias=True)
         ids = torch.tensor(_prompts()[:1])
         plain, _ = _greedy(model, tensor_parallel_size=2)  # shards the model
-        spec, eng = _greedy(model, tensor_parallel_size=2, speculative=SUFFIX)
+        # float64 drafts trees (an accepted branch's K/V moved into place on every rank), float32 chains
+        suffix = dataclasses.replace(SUFFIX, suffix_topk=2 if name == "float64" else 1)
+        spec, eng = _greedy(model, tensor_parallel_size=2, speculative=suffix)
         fresh = _model(dtype, seed=1, tie_word_embeddings=name == "float32", attention_bias=True)
         eng.update_weights(fresh.state_dict())  # every rank, full tensors: each keeps its shard
         results[name] = {"logits": model(ids).logits, "plain": plain, "spec": spec,
                          "accepted": eng.stats()["spec_accepted"] if eng.is_leader else None,
                          "kv_heads": eng.runner.pool.k[0].shape[1]}
     target, _ = make_pair(seed=4, vocab_size=8)
+    results["tree_moves"] = _tree_moves(_tree_target(), tensor_parallel_size=2, **TREES)
     eng = Engine(target, num_blocks=128, block_size=4, max_num_seqs=64, seed=2, tensor_parallel_size=2,
                  speculative=SUFFIX)
     results["hist"] = _hist(eng.generate([CHI_PROMPT] * DRAWS, SAMPLED), 8)
@@ -112,6 +139,15 @@ def test_tp2_equals_one_process(two_ranks, name, dtype, tol):
     assert got["plain"] == ref  # greedy output identical to TP=1
     assert got["spec"] == ref and got["accepted"] > 0  # suffix drafts verified on the TP engine, lossless
     assert got["kv_heads"] == 1  # each rank's pool holds its own K/V heads (2 heads over 2 ranks)
+
+
+@pytest.mark.launches
+def test_tp2_moves_an_accepted_branch_on_every_rank(two_ranks):
+    plain = _tree_moves(_tree_target())
+    # trees in one process are lossless; on two ranks too
+    for got in (_tree_moves(_tree_target(), **TREES), two_ranks["tree_moves"]):
+        for (tokens, lps), (ref_tokens, ref_lps) in zip(got, plain):
+            assert tokens == ref_tokens and lps == pytest.approx(ref_lps, rel=1e-12, abs=1e-12)
 
 
 @pytest.mark.launches
