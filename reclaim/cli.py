@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import typer
@@ -353,6 +354,14 @@ def serve(
         raise typer.BadParameter(f"--feedback-rate-limit {feedback_rate_limit}: allowed: >= 0 (0: no limit)")
     try:
         args = _engine_config(engine_config, engine_fields).replace(speculative=spec)
+        if args.tensor_parallel_size > 1:  # before any weights load: the split, torchrun, what TP cannot run
+            from reclaim.engine.tensor_parallel import check_launch
+            from reclaim.models.loading import read_config, resolve_model_dir
+
+            check_launch(args.tensor_parallel_size, read_config(resolve_model_dir(model)), sys.argv[1:])
+            if learn:
+                raise ValueError("--learn needs the whole model on one rank; allowed with "
+                                 "--tensor-parallel-size above 1: serving without it")
         # the budget given (a flag or the file), refused beside --num-blocks, which sets it; on CUDA
         # without one, --gpu-memory-utilization's share sizes it
         given = "kv_cache_bytes" in engine_fields or (engine_config is not None and "kv_cache_bytes" in

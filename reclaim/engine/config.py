@@ -54,10 +54,12 @@ class EngineConfig:
                                     "recompute (exact) or keep.")
     compile: bool = _opt(False, "torch.compile the decode forward (one graph for every batch size; on CUDA "
                          "with CUDA graphs, mode reduce-overhead); a compile failure runs eagerly with a warning.")
+    tensor_parallel_size: int = _opt(1, "Ranks the model's attention and MLP heads, K/V cache and LM head are "
+                                     "split over (tensor parallel; above 1 under torchrun, one process per rank).")
     speculative: Any = _opt(None, "A SpeculativeConfig, or None for plain decoding.", cli=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}; allowed: an integer >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -35,6 +35,7 @@ from reclaim.engine.sampling import make_generator
 from reclaim.engine.proposers import HYBRID_MODES, make_proposer
 from reclaim.engine.speculative import Draft, Proposer, DraftRequest, SpeculativeConfig
 from reclaim.engine.spec_policy import SpecPolicy
+from reclaim.engine.tensor_parallel import refuse_on_tensor_parallel, tensor_parallel
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger("reclaim.engine")
@@ -76,12 +77,20 @@ class Engine:
         on_forward: Callable[[list[ForwardRecord]], None] | None = None,
         proposer: Proposer | None = None,
         recorder: Recorder | None = None,
+        tp_group: Any = None,
+        tp_control: Any = None,
         **fields: Any,
     ) -> None:
         """`config` (an EngineConfig; keyword `fields` of it override it) sizes the engine;
         eos_token_ids (default: the model's and the tokenizer's), the hooks below and a ready
         `proposer` (default: the one `config.speculative` names) come besides. `drafter=` is the
-        proposer's old name, kept for one release with a DeprecationWarning."""
+        proposer's old name, kept for one release with a DeprecationWarning.
+
+        Tensor parallel (tensor_parallel.py): every rank of `tp_group` (default with
+        tensor_parallel_size > 1: the whole world) builds the engine over the same weights, which
+        are sharded here unless they are already; rank 0 of the group runs it (`is_leader`), the
+        others `follow()`. `tp_control`: a gloo group over the same ranks for the step messages
+        (default: tp_group)."""
         if "drafter" in fields:
             warnings.warn("Engine(drafter=...) is deprecated; pass proposer=...", DeprecationWarning, stacklevel=2)
             proposer = fields.pop("drafter") if proposer is None else proposer
@@ -90,12 +99,18 @@ class Engine:
         device = resolve_device(cfg.device) if cfg.device is not None else param.device
         prepare(device)
         max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        channel = tensor_parallel(model, cfg.tensor_parallel_size, device, tp_group, tp_control)
+        if channel is not None:
+            refuse_on_tensor_parallel(cfg.speculative, proposer, recorder)
+        kv_heads = model.config.num_key_value_heads if channel is None else channel.tp.num_kv_heads
         num_blocks = cfg.num_blocks or plan_kv_blocks(
             model.config, kv_cache_bytes=cfg.kv_cache_bytes, block_size=cfg.block_size,
-            max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, dtype=param.dtype)
+            max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs, dtype=param.dtype, num_kv_heads=kv_heads)
+        if channel is not None:  # block ids are the leader's: every rank's pool must hold them
+            num_blocks = channel.agree_min(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.runner = ModelRunner(model, self.blocks, device, head=cfg.head, compile=cfg.compile,
-                                  max_model_len=max_model_len)
+                                  max_model_len=max_model_len, channel=channel)
         self.model, self.device = self.runner.model, device
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(
@@ -139,6 +154,23 @@ class Engine:
         self._inbox_lock = threading.Lock()  # add/abort may come from another thread
         self._step_lock = threading.RLock()  # one step or weight swap at a time
         self._ids = itertools.count()
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process runs the engine: always, but on a TP follower rank."""
+        return self.runner.channel is None or self.runner.channel.is_leader
+
+    def follow(self) -> Any:
+        """A TP follower rank: run the leader's forwards until it calls `release`; returns what
+        the leader handed over."""
+        if self.is_leader:
+            raise ValueError("follow() is for the follower ranks of a tensor-parallel engine; this is the leader")
+        return self.runner.follow()
+
+    def release(self, result: Any = None) -> None:
+        """The TP leader: let the followers out of `follow()`, handing them `result` (no-op without TP)."""
+        with self._step_lock:
+            self.runner.release(result)
 
     def _default_eos(self) -> list[int]:
         ids = self.model.config.eos_token_id
@@ -418,17 +450,29 @@ class Engine:
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run prompts to completion; returns each prompt's final output, in order."""
+        """Run prompts to completion; returns each prompt's final output, in order. On a TP engine
+        every rank of the group calls it: the leader's prompts run, and every rank gets the outputs."""
+        if not self.is_leader:  # a TP follower: the leader's outputs, once its run is done
+            result = self.follow()
+            if result is None:
+                raise RuntimeError("the tensor-parallel leader's generate failed (its rank has the error)")
+            return result
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; need one or equal")
-        ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        try:
+            ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist)]
+            final: dict[str, RequestOutput] = {}
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+            result = [final[i] for i in ids]
+        except BaseException:
+            self.release(None)
+            raise
+        self.release(result)
+        return result
 
     @property
     def drafter(self) -> Proposer | None:
@@ -463,8 +507,10 @@ class Engine:
 
         Running requests go on with the new weights; with kv_on_weight_update="recompute" (the
         default) their cached K/V is recomputed first, so no new token attends to K/V made by
-        the old weights. Each output reports the version of its tokens.
+        the old weights. Each output reports the version of its tokens. On a TP engine every rank
+        calls it (between generate calls) with the unsharded model's tensors and keeps its shard.
         """
+        tp = self.runner.tp
         with self._step_lock:
             own = self.model.state_dict()
             unknown = sorted(set(state_dict) - set(own))
@@ -472,6 +518,8 @@ class Engine:
                 raise ValueError(f"unknown parameter names {unknown[:5]}; expected names of model.state_dict()")
             with torch.no_grad():
                 for name, value in state_dict.items():
+                    if tp is not None:
+                        value = tp.shard(name, value)
                     if own[name].shape != value.shape:
                         raise ValueError(
                             f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"

@@ -126,16 +126,18 @@ class BlockManager:
 
 def plan_kv_blocks(
     cfg: Any, *, kv_cache_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, num_kv_heads: int | None = None,
 ) -> int:
     """Blocks the KV cache gets within `kv_cache_bytes`: as many as the budget holds, at most
     enough for `max_num_seqs` full-length sequences.
 
-    `cfg` is the model config (num_hidden_layers, num_key_value_heads, head_dim). Raises
+    `cfg` is the model config (num_hidden_layers, num_key_value_heads, head_dim); `num_kv_heads`
+    the K/V heads this pool holds, if not all (a tensor-parallel rank's share). Raises
     ValueError, naming the budget, the bytes per token and the minimum, when the budget cannot
     hold one sequence of `max_model_len` tokens: the budget is never raised silently.
     """
-    per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    heads = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, heads, cfg.head_dim, dtype)
     per_seq = -(-max_model_len // block_size)
     budget = kv_cache_bytes // (per_token * block_size)
     if budget < per_seq:
@@ -143,7 +145,7 @@ def plan_kv_blocks(
         raise ValueError(
             f"KV cache budget of {kv_cache_bytes} bytes ({kv_cache_bytes / GIB:.4g} GiB) holds "
             f"{budget * block_size} tokens at {per_token} bytes per token ({cfg.num_hidden_layers} "
-            f"layers x {cfg.num_key_value_heads} K/V heads x {cfg.head_dim} x 2 x "
+            f"layers x {heads} K/V heads x {cfg.head_dim} x 2 x "
             f"{str(dtype).removeprefix('torch.')}); one sequence of max_model_len={max_model_len} "
             f"needs {need} bytes ({need / GIB:.4g} GiB): give at least that much KV cache memory "
             f"or a max_model_len of at most {budget * block_size}"

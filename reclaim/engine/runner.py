@@ -30,6 +30,7 @@ from reclaim.engine.request import SamplingParams
 from reclaim.engine.sampling import Keyed, mask_logits, penalize, read, sample_deferred, token_logprobs
 from reclaim.engine.scheduler import ScheduledChunk
 from reclaim.engine.speculative import Draft
+from reclaim.engine.tensor_parallel import TPChannel
 from reclaim.models.kernels.linear import linear, torch_kernels
 
 
@@ -62,14 +63,20 @@ class ModelRunner:
     """Runs rows of new tokens through a reclaim causal LM against the paged K/V cache."""
 
     def __init__(self, model: torch.nn.Module, blocks: BlockManager, device: torch.device,
-                 *, head: str = "auto", compile: bool = False, max_model_len: int | None = None) -> None:
+                 *, head: str = "auto", compile: bool = False, max_model_len: int | None = None,
+                 channel: TPChannel | None = None) -> None:
         cfg = model.config
         dtype = next(model.parameters()).dtype
         self.device = device
         self.model = model.to(device).eval()
         self.blocks = blocks
+        # Tensor parallel (tensor_parallel.py): this rank's K/V heads only; the leader announces
+        # each model operation on `channel` before running it, the followers run it in `follow`.
+        self.tp = getattr(model, "tensor_parallel", None)
+        self.channel = channel
         self.pool = KVPool(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
-                           cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+                           cfg.num_key_value_heads if self.tp is None else self.tp.num_kv_heads, cfg.head_dim,
+                           dtype=dtype, device=device)
         self._head = head_kernel(head)
         # head='linear' also keeps the layers on F.linear: transformers' kernels throughout.
         self._kernels = torch_kernels if head == "linear" else nullcontext
@@ -90,14 +97,19 @@ class ModelRunner:
         """Copy the K/V of positions `src` of a sequence to positions `dst` (every layer): an
         accepted tree path moves into place after the prefix."""
         pairs = [(s, d) for s, d in zip(src, dst) if s != d]
-        if not pairs:
-            return
-        table = self.blocks.tables[seq_id]
-        self.pool.move(self.pool.slots(table, [s for s, _ in pairs]), self.pool.slots(table, [d for _, d in pairs]))
+        if pairs:
+            self._move(self.blocks.tables[seq_id], [s for s, _ in pairs], [d for _, d in pairs])
+
+    def _move(self, table: list[int], src: list[int], dst: list[int]) -> None:
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.send("move", table, src, dst)
+        self.pool.move(self.pool.slots(table, src), self.pool.slots(table, dst))
 
     def write_kv(self, seq_id: str, start: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Store K/V computed elsewhere (a recorded prefill) for positions start.. of a sequence:
         per layer [1, Hkv, T, D] (any dtype and device; copied, never kept)."""
+        if self.channel is not None:
+            raise ValueError("recorded prefills (online learning) are not supported on a tensor-parallel engine")
         t = keys[0].shape[2]
         where = self.pool.slots(self.blocks.tables[seq_id], list(range(start, start + t)))
         dtype = self.pool.dtype
@@ -121,14 +133,22 @@ class ModelRunner:
         len(aux_layers) * H]), or the final states again without aux_layers."""
         decode = (self._decode is not None and aux_layers is None
                   and all(len(r.token_ids) == 1 and r.parents is None for r in rows))
-        graphs = decode and self.device.type == "cuda"
         # A compiled decode sees few shapes: batches padded to a bucket (2 at least: a dimension
         # of 1 would get a graph of its own), block tables of one width.
-        view = self.pool.view([self.blocks.tables[r.seq_id] for r in rows], [r.start for r in rows],
-                              [len(r.token_ids) for r in rows], sliding_window=self.sliding_window,
-                              trees=[r.parents for r in rows], token_ids=[r.token_ids for r in rows],
-                              pad_to=max(2, bucket(len(rows))) if decode else None,
-                              table_width=max(2, self._table_width) if decode else None)
+        batch = dict(tables=[self.blocks.tables[r.seq_id] for r in rows], past=[r.start for r in rows],
+                     new=[len(r.token_ids) for r in rows], trees=[r.parents for r in rows],
+                     token_ids=[r.token_ids for r in rows], pad_to=max(2, bucket(len(rows))) if decode else None,
+                     table_width=max(2, self._table_width) if decode else None)
+        return self._run_batch(batch, aux_layers, decode)
+
+    def _run_batch(self, batch: dict[str, Any], aux_layers: tuple[int, ...] | None, decode: bool
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """run_features' forward over the view of `batch` (KVPool.view's arguments), announced to
+        the TP group first."""
+        view = self.pool.view(**batch, sliding_window=self.sliding_window)
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.send("forward", batch, aux_layers, decode)
+        graphs = decode and self.device.type == "cuda"
         if decode:
             out = self._decode(view.input_ids, view.positions, view)
             # a CUDA graph's output is overwritten by its next replay: callers may keep theirs
@@ -142,12 +162,43 @@ class ModelRunner:
         return list(zip(hidden, hidden if aux_layers is None else view.split(got.aux)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits from final hidden states [..., H], as the model's lm_head computes them."""
+        """Float32 logits from final hidden states [..., H], as the model's lm_head computes them
+        (on a TP engine every rank's vocabulary slice, gathered)."""
+        if self.channel is not None:
+            self.channel.send("logits", tuple(hidden.shape), hidden.dtype)
+            hidden = self.channel.share(hidden)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head
         out = self._head(hidden, head.weight)
         if head.bias is not None:
             out = out + head.bias
+        if self.tp is not None and self.tp.size > 1:
+            out = self.tp.gather_vocab(out)
         return out.float()
+
+    def follow(self) -> Any:
+        """A follower rank of a TP engine: run the leader's model operations as it announces them
+        until it sends 'stop'; returns what the stop carried."""
+        with torch.inference_mode():
+            while True:
+                op, args = self.channel.recv()
+                if op == "forward":
+                    self._run_batch(*args)
+                elif op == "logits":
+                    self._logits(self.channel.share(None, *args))
+                elif op == "move":
+                    self._move(*args)
+                elif op == "stop":
+                    return args[0]
+                else:
+                    raise ValueError(f"unknown TP operation {op!r} from the leader")
+
+    def release(self, result: Any = None) -> None:
+        """The leader: let the followers out of `follow`, handing them `result`."""
+        if self.channel is not None:
+            self.channel.send("stop", result)
 
     # ---- one engine step: forward, then the tokens each sampling chunk commits ----
 
@@ -231,15 +282,19 @@ class ModelRunner:
                 chosen[j] = t if isinstance(t, Exception) else [t]
                 if not isinstance(t, Exception) and feats[j] is not None:
                     out.observed.append((chunks[j].request_id, chunks[j].start, rows[j].token_ids, feats[j]))
+        at_rows: dict[int, list[int]] = {}  # a verified row's logits rows: the pending token's, then its path's
         if drafted:
             for j, got in zip(drafted, results.pop(0)):
                 chosen[j] = got if isinstance(got, Exception) else \
                     self._verified(out, chunks[j], reqs[j], checked[j][1], got, feats[j])
+                if not isinstance(got, Exception):
+                    at_rows[j] = [0] + [1 + i for i in got[1]]
         want = [j for j, req in enumerate(reqs)
                 if req.seq.params.logprobs is not None and not isinstance(chosen[j], Exception)]
         lps = {}
         if want:  # every row's logprobs read together
-            flat = token_logprobs(torch.cat([per_row[j][: len(chosen[j])] for j in want]),
+            flat = token_logprobs(torch.cat([per_row[j][at_rows[j]] if j in at_rows else per_row[j][: len(chosen[j])]
+                                             for j in want]),
                                   [t for j in want for t in chosen[j]],
                                   [reqs[j].seq.params.logprobs for j in want for _ in chosen[j]])
             at = 0

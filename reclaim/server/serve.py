@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import signal
 import socket
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import uvicorn
 
 from reclaim.engine.config import EngineConfig
@@ -42,7 +45,7 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_c
               force_include_usage: bool = False, access_log: bool = True, learn: Any = None,
               max_ttft_slowdown: float = 0.1, admin_key: str | None = None,
               feedback_rate_limit: float = 120.0, rollback_to: int | None = None,
-              model_id: str | None = None):
+              model_id: str | None = None, tp_group: Any = None, tp_control: Any = None):
     """The FastAPI app serving `model`; returns (app, runner, state).
 
     force_include_usage: usage in every stream, asked for or not; access_log: one INFO line per
@@ -51,13 +54,13 @@ def build_app(model: Any, tokenizer: Any, model_names: tuple[str, ...], engine_c
     `{model}` is model_id (default: the first served name), checkpoints of another model are
     refused; rollback_to: a weights version to roll back to at start-up. admin_key: may roll
     weights back and rate any response; feedback_rate_limit: feedback a minute per key (0: no
-    limit).
+    limit). tp_group, tp_control: this leader's tensor-parallel groups (tensor_parallel.py).
     """
     from reclaim.engine.engine import Engine
 
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer; the model directory has no tokenizer files")
-    engine = Engine(model, tokenizer, engine_config)
+    engine = Engine(model, tokenizer, engine_config, tp_group=tp_group, tp_control=tp_control)
     colocated = None
     if learn is not None:
         from reclaim.online.colocate import Colocated
@@ -171,9 +174,34 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
     path = resolve_model_dir(model)
     engine_config = engine_config or EngineConfig()
     device = resolve_device(engine_config.device)  # auto: CUDA when there is one
+    tp = engine_config.tensor_parallel_size
+    if tp > 1:  # refused by name before any weights load; then this rank's device and the group
+        from reclaim.engine.tensor_parallel import check_launch, start_group
+
+        check_launch(tp, read_config(path), ["serve", *(["--model", model] if model else []),
+                                             "--tensor-parallel-size", str(tp)])
+        if learn is not None:
+            raise ValueError("--learn needs the whole model on one rank; allowed with --tensor-parallel-size "
+                             "above 1: serving without it")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        tp_group, tp_control = start_group(tp, device)
     engine_config = engine_config.replace(device=str(device), dtype=resolve_dtype(
         engine_config.dtype, device, read_config(path).torch_dtype))
-    weights, tokenizer = load_model(path, device=engine_config.device, dtype=engine_config.dtype)
+    # a TP rank loads on the host and keeps its shard: the whole model never sits on its device
+    weights, tokenizer = load_model(path, device="cpu" if tp > 1 else engine_config.device,
+                                    dtype=engine_config.dtype)
+    if tp > 1 and dist.get_rank() != 0:  # a follower: the leader's forwards until it shuts down
+        from reclaim.engine.engine import Engine
+
+        # torchrun passes a SIGTERM to every rank: the leader drains, then lets this one go
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+        Engine(weights, tokenizer, engine_config, tp_group=tp_group, tp_control=tp_control).follow()
+        dist.destroy_process_group()
+        return 0
+    tp_groups = {"tp_group": tp_group, "tp_control": tp_control} if tp > 1 else {}
     names = (served_model_name or (model if model else Path(path).name),)
     if model is None:
         names += ("default",)
@@ -184,7 +212,8 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
                                        force_include_usage=force_include_usage, access_log=access_log,
                                        learn=learn, max_ttft_slowdown=max_ttft_slowdown,
                                        admin_key=admin_key, feedback_rate_limit=feedback_rate_limit,
-                                       rollback_to=rollback_to, model_id=Path(path).name)
+                                       rollback_to=rollback_to, model_id=Path(path).name,
+                                       **tp_groups)
     except LearnerRefused as exc:
         log.error("not serving: %s", exc)
         return 2
@@ -194,7 +223,12 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
                             log_level=log_level)
     server = DrainingServer(config, state, runner, grace=shutdown_timeout)
     log.info("serving %s on http://%s:%d (names %s)", path, host, port, list(names))
-    server.run()
+    try:
+        server.run()
+    finally:
+        if tp > 1:  # the followers leave their loop and exit
+            runner.engine.release()
+            dist.destroy_process_group()
     if save_suffix_history is not None:
         save_suffix_history_of(runner, save_suffix_history)
     return 0 if server.started else 1

@@ -188,6 +188,12 @@ def _joint_chi2_passes(target, drafter, n: int = 1500, top_k: int = 6, spec: Spe
     a, b = hist(plain), hist(spec)
     assert spec.stats()["spec_accepted"] > 0  # drafts were accepted, and some rejected
     assert spec.stats()["spec_accepted"] < spec.stats()["spec_drafted"]
+    return same_distribution(a, b, n)
+
+
+def same_distribution(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
+    """Two-sample chi-square over two histograms of n draws each (cells with fewer than 10 draws
+    in both dropped) at p = 0.001."""
     keep = (a + b) >= 10
     pooled = (a + b)[keep] / (2 * n)
     stat = float((((a[keep] - n * pooled) ** 2 + (b[keep] - n * pooled) ** 2) / (n * pooled)).sum())
