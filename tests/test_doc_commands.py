@@ -106,7 +106,7 @@ def shown_commands() -> tuple[list[Shown], list[Shown], list[tuple[str, str]]]:
             if lang == "bash":
                 for n, cmd in _bash_lines(body, line):
                     cmd = ENV.sub("", cmd)  # `KEY=value reclaim ...`: the command is what follows
-                    cmd = re.sub(r"^.*?-m reclaim\.cli ", "reclaim ", cmd) if cmd.startswith("torchrun") else cmd
+                    cmd = re.sub(r"^.*?(?:-m reclaim\.cli|--no-python reclaim) ", "reclaim ", cmd) if cmd.startswith("torchrun") else cmd
                     (reclaim if cmd.startswith("reclaim ") else other).append(Shown(rel, n, cmd, True))
             elif lang == "python":
                 python.append((f"{rel}:{line}", body))
