@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reclaim.models.chunk_attention import chunk_attention
 from reclaim.models.mamba import RecurrentLM, _read_json
 from reclaim.models.mamba2 import Mamba2Mixer, SSDLayerShape, check_shapes
 from reclaim.models.norm import RMSNorm
@@ -173,15 +174,11 @@ class Attention(nn.Module):
         q = self.q_proj(u).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(u).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(u).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        k1, v1 = torch.cat([k0.to(k.dtype), k], 2), torch.cat([v0.to(v.dtype), v], 2)
-        s = k0.shape[2]
-        # Query i (position s + i) sees keys 0 .. s + i; with no earlier key that is is_causal, which
-        # builds no [t, t] mask (a whole 64K sequence's would take 4 GiB).
-        mask = None if s == 0 else torch.ones(t, s + t, dtype=torch.bool, device=u.device).tril(s)
-        # enable_gqa: each key head serves its query heads without a repeated copy of the keys.
-        y = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, is_causal=s == 0,
-                                           scale=self.head_dim**-0.5,
-                                           enable_gqa=self.heads != self.kv_heads)
+        k0, v0 = k0.to(k.dtype), v0.to(v.dtype)
+        k1, v1 = torch.cat([k0, k], 2), torch.cat([v0, v], 2)
+        # Query i (position s + i) sees keys 0 .. s + i: chunk_attention runs that without a
+        # [t, s + t] mask on a CPU, and with no earlier key as is_causal.
+        y = chunk_attention(q, k0, v0, k, v, self.head_dim**-0.5)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1)), k1, v1
 
 
