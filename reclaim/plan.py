@@ -25,10 +25,12 @@ replicated under DDP. What a rank holds (rows, bytes):
   (embeddings, final norm, head: kept from forward to backward) and two decoder layers (the
   running one and the next, prefetched).
 
-A rank does not hold all of it at once. The plan's total is the largest of three phases:
+A rank does not hold all of it at once. The plan's total is the largest of four phases:
 rollout (parameters, optimizer, reference model, rollout weights, KV cache; gradients are freed),
-training (everything but with optimizer_offload the moments), and the optimizer step (no
-activations, logits or gathered weights). param_offload and optimizer_offload (rl/offload.py)
+training (everything but with optimizer_offload the moments), the optimizer step (no
+activations, logits or gathered weights), and the weight update into the engine (gradients freed). With enable_sleep_mode the engine sleeps through the last
+two (Engine.sleep(level=2)): its weights and KV pool are freed then, and come back for the weight
+update after the step (when the gradients and activations are gone). param_offload and optimizer_offload (rl/offload.py)
 take the parameters and the moments off the device while rolling out, at the price of moving
 them out and back each rollout, timed at HOST_BANDWIDTH.
 """
@@ -69,6 +71,7 @@ PHASES = {
     "training": ("parameters", "gradients", "optimizer", "reference_model", "rollout_weights", "kv_cache",
                  "activations", "logits", "gathered"),
     "optimizer_step": ("parameters", "gradients", "optimizer", "reference_model", "rollout_weights", "kv_cache"),
+    "weight_update": ("parameters", "optimizer", "reference_model", "rollout_weights", "kv_cache"),
 }
 
 
@@ -82,12 +85,14 @@ class Plan:
     rows: dict[str, int]  # what -> bytes on the worst rank
     min_kv_bytes: int  # one sequence at the run's full length
     off_device: dict[str, tuple[str, ...]] = field(default_factory=dict)  # phase -> rows in host memory then
+    asleep: dict[str, tuple[str, ...]] = field(default_factory=dict)  # phase -> rows freed then (sleep mode)
     offload_bytes: int = 0  # moved to host memory and back, each way, per rollout
     rollout: dict[str, Any] = field(default_factory=dict)  # dtype, tensor_parallel_size, logits_chunk_size
 
     def phase(self, name: str) -> int:
         """Bytes on the device during phase `name` (one of PHASES)."""
-        return sum(self.rows[k] for k in PHASES[name] if k not in self.off_device.get(name, ()))
+        gone = (*self.off_device.get(name, ()), *self.asleep.get(name, ()))
+        return sum(self.rows[k] for k in PHASES[name] if k not in gone)
 
     @property
     def phases(self) -> dict[str, int]:
@@ -110,6 +115,7 @@ class Plan:
         return {"parallelism": self.parallelism, "world_size": self.world_size,
                 "num_parameters": self.num_parameters, "per_rank_bytes": self.rows,
                 "phase_bytes": self.phases, "off_device": {k: list(v) for k, v in self.off_device.items()},
+                "asleep": {k: list(v) for k, v in self.asleep.items()},
                 "total_bytes": self.total, "rollout": self.rollout,
                 "offload_bytes_each_way": self.offload_bytes, "offload_seconds": self.offload_seconds,
                 "min_kv_bytes": self.min_kv_bytes, "device_memory_bytes": device_memory,
@@ -180,11 +186,15 @@ def plan(cfg: Any, config_json: Path, world_size: int, parallelism: str) -> Plan
             "rollout_weights": tp_shard_bytes(model, tp, r_elem), "kv_cache": kv, "activations": acts,
             "logits": chunk * mc.vocab_size * LOGITS_BYTES, "gathered": gathered}
     rollout_off = tuple(k for k, on in (("parameters", cfg.param_offload), ("optimizer", cfg.optimizer_offload)) if on)
-    off = {"rollout": rollout_off, "training": ("optimizer",) if cfg.optimizer_offload else ()}
+    off = {"rollout": rollout_off, "training": ("optimizer",) if cfg.optimizer_offload else (),
+           # with sleep mode the moments go back to host memory before the engine wakes for the update
+           "weight_update": ("optimizer",) if cfg.optimizer_offload and cfg.enable_sleep_mode else ()}
     moved = sum(rows[k] for k in rollout_off)
+    engine_rows = ("rollout_weights", "kv_cache")  # what the engine frees while asleep
+    asleep = {"training": engine_rows, "optimizer_step": engine_rows} if cfg.enable_sleep_mode else {}
     return Plan(parallelism, world_size, sum(math.prod(s) for s, _ in shapes), rows, length * per_token,
-                off, moved, {"dtype": str(rollout_dtype).removeprefix("torch."), "tensor_parallel_size": tp,
-                             "logits_chunk_size": chunk})
+                off, asleep, moved, {"dtype": str(rollout_dtype).removeprefix("torch."), "tensor_parallel_size": tp,
+                                     "logits_chunk_size": chunk, "sleep_mode": cfg.enable_sleep_mode})
 
 
 LOGITS_BYTES = 16  # per position and vocabulary entry of a chunk: four float32 tensors at once
@@ -241,7 +251,8 @@ def report(p: Plan, device_memory: int | None) -> str:
         for k, v in p.rows.items():
             cells = []
             for n in names:
-                cells.append("-" if k not in PHASES[n] else "host" if k in p.off_device.get(n, ()) else f"{v / GB:.2f}")
+                cells.append("-" if k not in PHASES[n] else "host" if k in p.off_device.get(n, ())
+                             else "asleep" if k in p.asleep.get(n, ()) else f"{v / GB:.2f}")
             lines.append(f"  {k:<16} {v / GB:9.2f} " + " ".join(f"{c:>14}" for c in cells))
         lines.append(f"  {'total':<16} {'':>9} " + " ".join(f"{p.phase(n) / GB:14.2f}" for n in names))
         lines.append(f"  peak {p.total / GB:.2f} GB")

@@ -2,7 +2,8 @@
 
 Its parameter bytes are what `fully_shard` really holds on each rank at that world size (PyTorch's
 fake process group, meta tensors: nothing is allocated), for an even and an uneven world size;
-TLT's 7B GRPO run fits 8 x 141 GB with FSDP and not with DDP; the rollout's tensor-parallel shard is
+TLT's 7B GRPO run fits 8 x 141 GB with FSDP and not with DDP (the engine awake through training);
+with the engine asleep through training Qwen2.5-32B fits 16 x 80 GB; the rollout's tensor-parallel shard is
 what torch's `parallelize_module` holds; the logits row is the chunk's measured peak; the issue's
 goals (Qwen2.5-32B on 8 x 141 GB, Qwen2.5-7B under 70 GB a rank); bad input is refused by name.
 Per-rank bytes of real gloo ranks: tests/rl/test_plan_ranks.py.
@@ -51,7 +52,7 @@ def test_parameter_bytes_equal_what_fully_shard_holds(world_size) -> None:
 def test_tlt_7b_fits_eight_h200s_with_fsdp_not_with_ddp() -> None:
     runner = CliRunner()
     fsdp = json.loads(runner.invoke(app, TLT).output)
-    ddp = json.loads(runner.invoke(app, [*TLT, "--parallelism", "ddp"]).output)
+    ddp = json.loads(runner.invoke(app, [*TLT, "--parallelism", "ddp", "--enable_sleep_mode", "false"]).output)
     assert fsdp["fits"] is True and ddp["fits"] is False
     rows_f, rows_d = fsdp["per_rank_bytes"], ddp["per_rank_bytes"]
     assert rows_d["parameters"] == 8 * rows_f["parameters"]  # 7.62e9 rows of 4 bytes divide by 8
@@ -61,6 +62,21 @@ def test_tlt_7b_fits_eight_h200s_with_fsdp_not_with_ddp() -> None:
     # bfloat16 rollout weights, a tensor-parallel shard of 4 (the same under either parallelism)
     assert rows_f["rollout_weights"] == rows_d["rollout_weights"] < 2 * 7_615_616_512 / 4 * 1.01
     assert fsdp["min_kv_bytes"] <= rows_f["kv_cache"]
+
+
+def test_sleep_mode_frees_the_engine_through_training_and_fits_32b_on_sixteen_80gb() -> None:
+    runner = CliRunner()
+    big = ["--model-config", "qwen2.5-32b", "--world-size", "16", "--device-memory", "80GB"]
+    asleep = json.loads(runner.invoke(app, [*TLT, *big]).output)
+    awake = json.loads(runner.invoke(app, [*TLT, *big, "--enable_sleep_mode", "false"]).output)
+    rows, phases = asleep["per_rank_bytes"], asleep["phase_bytes"]
+    engine = rows["rollout_weights"] + rows["kv_cache"]
+    for name in ("training", "optimizer_step"):
+        assert awake["phase_bytes"][name] - phases[name] == engine
+    # the weight update holds the engine again, with the moments back in host memory
+    assert phases["weight_update"] == rows["parameters"] + engine
+    assert asleep["fits"] is True and awake["fits"] is False
+    assert asleep["total_bytes"] == max(phases.values()) < 80e9
 
 
 def test_a_reference_model_is_planned_sharded_without_gradients() -> None:

@@ -143,6 +143,8 @@ class Engine:
         self.policy.configure(speculative, self._arms(speculative))
         self.runner.aux_layers = getattr(self.proposer, "aux_layers", None)  # EAGLE-3 drafts from these layers' states
         self.weights_version = 0
+        self.sleeping = 0  # the level of sleep(), 0 awake
+        self.weights_missing = False  # woken from sleep(level=2), not yet given weights
         self.last_schedule: SchedulerOutput | None = None
         self.num_preemptions = 0
         self.num_request_errors = 0
@@ -274,6 +276,9 @@ class Engine:
         """One step, as vLLM v1's: schedule -> propose -> execute -> commit. Returns an output for
         every request that changed."""
         with self._step_lock:
+            if self.sleeping or self.weights_missing:
+                raise RuntimeError("the engine sleeps; call wake_up() before step()" if self.sleeping else
+                                   "the weights were freed by sleep(level=2); call update_weights() before step()")
             outputs = self._drain_inbox()
             arm = self.policy.arm(len(self.scheduler.running))  # 'plain' or what drafts this step
             sched = self._schedule(arm)
@@ -460,15 +465,19 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; need one or equal")
+        ids: list[str] = []
         try:
             ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist)]
             final: dict[str, RequestOutput] = {}
+            mine = set(ids)
             while len(final) < len(ids):
                 for out in self.step():
-                    if out.finished:
+                    if out.finished and out.request_id in mine:
                         final[out.request_id] = out
             result = [final[i] for i in ids]
         except BaseException:
+            for i in ids:  # none of this call's requests is left to run in a later one
+                self.abort_request(i)
             self.release(None)
             raise
         self.release(result)
@@ -516,6 +525,12 @@ class Engine:
             unknown = sorted(set(state_dict) - set(own))
             if unknown:
                 raise ValueError(f"unknown parameter names {unknown[:5]}; expected names of model.state_dict()")
+            if self.sleeping:
+                raise RuntimeError(f"update_weights() while the engine sleeps (level {self.sleeping}); call wake_up() first")
+            missing = sorted(n for n, p in self.model.named_parameters() if n not in state_dict)
+            if self.weights_missing and missing:
+                raise ValueError(f"the weights were freed by sleep(level=2) and {missing[:5]} were not given; "
+                                 "pass every parameter of model.state_dict()")
             with torch.no_grad():
                 for name, value in state_dict.items():
                     if tp is not None:
@@ -525,7 +540,50 @@ class Engine:
                             f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
                         )
                     own[name].copy_(value)
+            self.weights_missing = False
             return self.weights_changed()
+
+    def sleep(self, level: int = 1) -> int:
+        """Give the engine's memory back while it is not used (vLLM's `LLM.sleep`; GRPO sleeps it
+        through training): level 1 frees the K/V pool (cached prefixes are forgotten), level 2
+        the model's weights too, which `update_weights` must refill after `wake_up` (GRPO refills
+        them from the trainer after each step anyway). Tensors keep their shapes and identities;
+        only their storage goes. No request may be in flight. Returns the bytes freed. On a TP
+        engine every rank sleeps and wakes its own shard."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level!r}; allowed: 1 (the K/V pool), 2 (the K/V pool and the weights)")
+        with self._step_lock:
+            busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._inbox)
+            if busy:
+                raise RuntimeError(f"sleep() with {busy} request(s) in flight; finish or abort them first")
+            if self.sleeping:
+                raise RuntimeError(f"the engine sleeps already (level {self.sleeping}); call wake_up() first")
+            self.scheduler.forget_prefixes()  # their K/V is about to go
+            freed = self.runner.pool.free()
+            if level == 2:
+                for p in {p.untyped_storage().data_ptr(): p for p in self.model.parameters()}.values():
+                    freed += p.untyped_storage().nbytes()
+                    p.untyped_storage().resize_(0)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.sleeping = level
+            return freed
+
+    def wake_up(self) -> None:
+        """Take the memory `sleep` gave back: the K/V pool zeroed and, after level 2, the weights'
+        storage, whose values are undefined until `update_weights` fills them (steps are refused
+        until then)."""
+        with self._step_lock:
+            if not self.sleeping:
+                return
+            self.runner.pool.restore()
+            if self.sleeping == 2:
+                for p in self.model.parameters():
+                    if p.untyped_storage().nbytes() == 0:
+                        p.untyped_storage().resize_(p.numel() * p.element_size())
+                self.weights_missing = True
+            self.runner.woke()
+            self.sleeping = 0
 
     def weights_changed(self) -> int:
         """The model's weights changed in place (update_weights, or a training step on the very

@@ -183,6 +183,21 @@ class KVPool:
         self.dtype, self.device = dtype, torch.device(device)
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned host, device buffers
 
+    def free(self) -> int:
+        """Give the pool's memory back (the engine's sleep): each layer's tensors keep their
+        shapes and identities, their storage shrinks to nothing. Returns the bytes freed."""
+        freed = 0
+        for t in (*self.k, *self.v):
+            freed += t.untyped_storage().nbytes()
+            t.untyped_storage().resize_(0)
+        return freed
+
+    def restore(self) -> None:
+        """The pool's memory again after `free`, zeroed (its old contents are gone)."""
+        for t in (*self.k, *self.v):
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.zero_()
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

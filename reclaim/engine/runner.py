@@ -93,6 +93,12 @@ class ModelRunner:
         self.generator: torch.Generator | None = None
         self.aux_layers: tuple[int, ...] | None = None
 
+    def woke(self) -> None:
+        """The pool (and perhaps the weights) have new storage after the engine's sleep: CUDA
+        graphs captured over the old addresses are dropped (recaptured on the next decode)."""
+        if self._decode is not None and self.device.type == "cuda":
+            self._decode = CompiledDecode(self.model, self.device)
+
     def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of positions `src` of a sequence to positions `dst` (every layer): an
         accepted tree path moves into place after the prefix."""

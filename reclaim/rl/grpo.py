@@ -325,6 +325,8 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             rec.update(batch.metrics)
         else:  # another iteration on the same rollout: its reward metrics, no rollout time
             rec.update({k: v for k, v in batch.metrics.items() if not k.startswith(("rollout", "drafter/"))})
+        if cfg.enable_sleep_mode:  # the engine's K/V pool and weights free until the weights are updated
+            rec["memory/sleep_freed_bytes"] = engine.sleep(level=2)
         opt.zero_grad(set_to_none=True)
         t_train = time.perf_counter()
         rec.update(backward_step(policy, batch, cfg, world))
@@ -339,6 +341,9 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             rec.update(offload.take())
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if cfg.enable_sleep_mode:  # asleep through training: the moments leave before the engine wakes
+            offload.optimizer_to_host(opt)
+            engine.wake_up()
         # fsdp: each tensor cast to the rollout dtype on its shard, then gathered, one at a time
         rec["weights_version"] = engine.update_weights(FullWeights(model, dtype=served_dtype))
         rec["train_s"] = time.perf_counter() - t_train

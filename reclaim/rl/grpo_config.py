@@ -50,6 +50,10 @@ class GRPOConfig:
     # optimizer step. On a CPU the moves are no-ops.
     param_offload: bool = False
     optimizer_offload: bool = False
+    # TRL's vllm_enable_sleep_mode: the rollout engine sleeps through training (`Engine.sleep(2)`:
+    # its K/V pool and weights give their memory back) and wakes for the weight update after the
+    # optimizer step, as verl frees its cache engine; `reclaim plan` leaves both out of training.
+    enable_sleep_mode: bool = False
     gradient_checkpointing: bool = False  # transformers' name: each decoder layer reruns its forward in the backward
     # Data: procedural tasks (reclaim/data/tasks.py) or a JSON-lines dataset.
     task: str = "arithmetic"  # a family of data/tasks.py, several comma-separated, "all", or rg:<dataset>[,<dataset>]

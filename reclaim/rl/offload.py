@@ -44,6 +44,11 @@ class Offload:
         if self.params and "params" not in self.on_host:
             self._move(lambda: _move_module(model, HOST), local_bytes(model.parameters()))
             self.on_host.add("params")
+        self.optimizer_to_host(optimizer)
+
+    def optimizer_to_host(self, optimizer: torch.optim.Optimizer) -> None:
+        """The moments to host memory (before a rollout, or right after the optimizer step when
+        the engine wakes then: enable_sleep_mode)."""
         if self.optimizer and "optimizer" not in self.on_host:
             self._move(lambda: _move_state(optimizer, HOST), local_bytes(optimizer_tensors(optimizer)))
             self.on_host.add("optimizer")
