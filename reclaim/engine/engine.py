@@ -33,9 +33,9 @@ from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, RunnerOutput
 from reclaim.engine.sampling import make_generator
 from reclaim.engine.proposers import HYBRID_MODES, make_proposer
-from reclaim.engine.speculative import Draft, Proposer, DraftRequest, SpeculativeConfig
+from reclaim.engine.speculative import MODEL_METHODS, Draft, Proposer, DraftRequest, SpeculativeConfig
 from reclaim.engine.spec_policy import SpecPolicy
-from reclaim.engine.tensor_parallel import refuse_on_tensor_parallel, tensor_parallel
+from reclaim.engine.tensor_parallel import LeaderTarget, refuse_on_tensor_parallel, retarget, tensor_parallel
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger("reclaim.engine")
@@ -100,8 +100,11 @@ class Engine:
         prepare(device)
         max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         channel = tensor_parallel(model, cfg.tensor_parallel_size, device, tp_group, tp_control)
+        # What an EAGLE drafter takes from the target: on a TP engine the leader's whole copies of
+        # the embedding and head (gathered by every rank now), else the model itself.
+        self.draft_target, self._model_drafts = self._draft_target(model, channel, cfg.speculative, proposer)
         if channel is not None:
-            refuse_on_tensor_parallel(cfg.speculative, proposer, recorder)
+            refuse_on_tensor_parallel(recorder)
         kv_heads = model.config.num_key_value_heads if channel is None else channel.tp.num_kv_heads
         num_blocks = cfg.num_blocks or plan_kv_blocks(
             model.config, kv_cache_bytes=cfg.kv_cache_bytes, block_size=cfg.block_size,
@@ -136,7 +139,7 @@ class Engine:
         self.speculative = speculative = cfg.speculative
         self.proposer = proposer
         if proposer is None and speculative is not None:
-            self.proposer = make_proposer(speculative, self.model, self._encode_text)
+            self.proposer = make_proposer(speculative, self.draft_target, self._encode_text)
         self.spec_stats = {"verifies": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0, "draft_calls": 0,
                            "plain_decodes": 0}
         self.policy = SpecPolicy(self.spec_stats)  # whether, with what and how deep to draft
@@ -156,6 +159,25 @@ class Engine:
         self._inbox_lock = threading.Lock()  # add/abort may come from another thread
         self._step_lock = threading.RLock()  # one step or weight swap at a time
         self._ids = itertools.count()
+
+    @staticmethod
+    def _draft_target(model: torch.nn.Module, channel: Any, speculative: Any, proposer: Any) -> tuple[Any, bool]:
+        """The model an EAGLE drafter reads the embedding and head of, and whether one can draft:
+        the model itself on one rank; on a TP engine whose config or proposer drafts with EAGLE,
+        the leader's LeaderTarget (followers build but never run their drafter). A TP engine
+        built without one gathers nothing and takes no EAGLE drafter later."""
+        if channel is None:
+            return model, True
+        model_drafter = getattr(speculative, "method", None) in MODEL_METHODS or any(
+            hasattr(p, "drafter") for p in (proposer, getattr(proposer, "model", None)) if p is not None)
+        if not model_drafter:
+            return model, False
+        target = LeaderTarget.gather(model, channel.tp)
+        if target is None:  # a follower
+            return model, True
+        if proposer is not None:
+            retarget(proposer, target)
+        return target, True
 
     @property
     def is_leader(self) -> bool:
@@ -501,7 +523,10 @@ class Engine:
         An adaptive rollout picks the config per step this way."""
         with self._step_lock:
             if config is not None and self.proposer is None:
-                self.proposer = make_proposer(config, self.model, self._encode_text)
+                if config.method in MODEL_METHODS and not self._model_drafts:
+                    raise ValueError(f"speculative method {config.method!r} on a tensor-parallel engine built "
+                                     "without one: build it with that speculative config or proposer")
+                self.proposer = make_proposer(config, self.draft_target, self._encode_text)
             if config is not None and hasattr(self.proposer, "topk"):
                 self.proposer.topk, self.proposer.depth = config.eagle_topk, config.num_speculative_tokens
                 self.proposer.total = config.lookahead
@@ -533,6 +558,8 @@ class Engine:
                                  "pass every parameter of model.state_dict()")
             with torch.no_grad():
                 for name, value in state_dict.items():
+                    if isinstance(self.draft_target, LeaderTarget):
+                        self.draft_target.update(name, value)
                     if tp is not None:
                         value = tp.shard(name, value)
                     if own[name].shape != value.shape:

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reclaim.engine.speculative import MODEL_METHODS
 from reclaim.models.tensor_parallel import TensorParallel, check_tensor_parallel, shard_llama
 
 # How long a follower waits for the leader's next message: a server may sit idle for long.
@@ -127,15 +126,54 @@ def tensor_parallel(model: torch.nn.Module, size: int, device: torch.device, gro
     return TPChannel(tp, device, control)
 
 
-def refuse_on_tensor_parallel(speculative: Any, proposer: Any, recorder: Any) -> None:
-    """What a TP engine cannot run, refused by name: drafters that run the target's embedding and
-    LM head on the leader alone (EAGLE; those are sharded), and recorded prefills (online learning)."""
-    method = getattr(speculative, "method", None)
-    model_drafter = hasattr(proposer, "drafter") or hasattr(proposer, "model")  # EAGLE's, or the hybrid's
-    if method in MODEL_METHODS or model_drafter:
-        what = f"speculative method {method!r}" if method in MODEL_METHODS else f"proposer {type(proposer).__name__}"
-        raise ValueError(f"{what} runs the target's embedding and LM head on one rank; with "
-                         "tensor_parallel_size > 1 allowed: ['ngram', 'suffix']")
+def refuse_on_tensor_parallel(recorder: Any) -> None:
+    """What a TP engine cannot run, refused by name: recorded prefills (online learning)."""
     if recorder is not None:
         raise ValueError("a recorder (online learning, serve --learn) needs the whole model on one rank; "
                          "allowed with tensor_parallel_size > 1: none")
+
+
+class LeaderTarget(torch.nn.Module):
+    """What an EAGLE drafter takes from its target, whole, on the TP leader: the token embedding
+    and the LM head (the target's own are cut by vocabulary over the group, and calling them is
+    a collective the followers would have to join). The drafter then runs on the leader alone,
+    from the hidden states every rank holds whole after each layer's all-reduce. Costs the
+    leader one unsharded embedding and head (one tensor when tied) beside its shards."""
+
+    NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+    def __init__(self, config: Any, embed: torch.Tensor, head: torch.Tensor | None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding.from_pretrained(embed, freeze=True)
+        self.lm_head = torch.nn.Linear(embed.shape[1], embed.shape[0], bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight if head is None else torch.nn.Parameter(
+            head, requires_grad=False)
+
+    @classmethod
+    def gather(cls, model: torch.nn.Module, tp: TensorParallel) -> "LeaderTarget | None":
+        """The whole embedding and head gathered from every rank's rows (a collective: every
+        rank calls it); the leader's, None elsewhere."""
+        def whole(w: torch.Tensor) -> torch.Tensor:
+            return tp.gather_vocab(w.detach().t().contiguous()).t().contiguous()  # rows in rank order
+
+        embed = whole(model.model.embed_tokens.weight)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        head = None if tied else whole(model.lm_head.weight)
+        return cls(model.config, embed, head) if tp.rank == 0 else None
+
+    def update(self, name: str, full: torch.Tensor) -> None:
+        """New whole weights (update_weights' unsharded tensors) for the tensors it holds."""
+        if name == self.NAMES[0]:
+            self.model.embed_tokens.weight.data.copy_(full)
+        elif name == self.NAMES[1] and self.lm_head.weight is not self.model.embed_tokens.weight:
+            self.lm_head.weight.data.copy_(full)
+
+
+def retarget(proposer: Any, target: LeaderTarget) -> None:
+    """Point an EAGLE proposer (alone, or inside the hybrid) at the leader's whole embedding and head."""
+    for p in (proposer, getattr(proposer, "model", None)):
+        if p is not None and hasattr(p, "drafter") and hasattr(p, "head"):
+            p.embed, p.head, p.target = target.model.embed_tokens, target.lm_head, target
+            p._head_rows = None  # the draft head's rows are copied again from the whole head
