@@ -36,6 +36,7 @@ from reclaim.engine.proposers import HYBRID_MODES, make_proposer
 from reclaim.engine.speculative import Draft, Proposer, DraftRequest, SpeculativeConfig
 from reclaim.engine.spec_policy import SpecPolicy
 from reclaim.engine.tensor_parallel import refuse_on_tensor_parallel, tensor_parallel
+from reclaim.models.tensor_parallel import copy_full
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger("reclaim.engine")
@@ -510,21 +511,8 @@ class Engine:
         the old weights. Each output reports the version of its tokens. On a TP engine every rank
         calls it (between generate calls) with the unsharded model's tensors and keeps its shard.
         """
-        tp = self.runner.tp
         with self._step_lock:
-            own = self.model.state_dict()
-            unknown = sorted(set(state_dict) - set(own))
-            if unknown:
-                raise ValueError(f"unknown parameter names {unknown[:5]}; expected names of model.state_dict()")
-            with torch.no_grad():
-                for name, value in state_dict.items():
-                    if tp is not None:
-                        value = tp.shard(name, value)
-                    if own[name].shape != value.shape:
-                        raise ValueError(
-                            f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
-                        )
-                    own[name].copy_(value)
+            copy_full(self.model, state_dict)
             return self.weights_changed()
 
     def weights_changed(self) -> int:
