@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_helpers import make_tokenizer, rank_main, tiny_target, torchrun
-from test_grpo_distributed import EVEN, _same_run, fields
+from rl_helpers import rank_main, tiny_target, torchrun
+from test_grpo_distributed import _same_run, one_process_runs, run_tiny
 from reclaim.config import load_config
 from reclaim.rl.distributed import World
 from reclaim.rl.grpo import train
@@ -40,10 +40,6 @@ COLD = {"temperature": 0.05}  # a group's completions repeat each other: the his
 SUFFIX = {"speculative": "suffix", "spec_threshold": 64, **COLD}
 
 
-def _run(root: Path, name: str, world: int, **kw) -> None:
-    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, name, world), **kw}), progress=False)
-
-
 def _worker(root: Path) -> None:
     """One torchrun rank: TP rollouts under fsdp, then again from its step-2 checkpoint; under ddp;
     with the history drafter (held on drafting at the cost priors' depths, as
@@ -55,16 +51,16 @@ def _worker(root: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     _shards(root, dist.get_rank())
-    _run(root, "tp-fsdp", 2, **FSDP)
+    run_tiny(root, "tp-fsdp", 2, **FSDP)
     if dist.get_rank() == 0:
         shutil.copytree(root / "tp-fsdp", root / "tp-resumed")
         shutil.rmtree(root / "tp-resumed" / "checkpoint-3")
     dist.barrier()
-    _run(root, "tp-resumed", 2, **FSDP, resume_from_checkpoint=True)
-    _run(root, "tp-ddp", 2, **TP)
+    run_tiny(root, "tp-resumed", 2, **FSDP, resume_from_checkpoint=True)
+    run_tiny(root, "tp-ddp", 2, **TP)
     SpecGate.choose = lambda self, batch: self.arms[-1]
     StepCosts.fit = lambda self: None
-    _run(root, "tp-suffix", 2, **FSDP, **SUFFIX)
+    run_tiny(root, "tp-suffix", 2, **FSDP, **SUFFIX)
     dist.destroy_process_group()
 
 
@@ -90,20 +86,9 @@ def runs(built_once) -> Path:
 
 
 def _build(root: Path) -> None:
-    """The tiny float64 model (4 heads, 2 K/V heads: 2 and 1 per rank), one process's run and the
+    """The tiny float64 model (4 heads, 2 K/V heads: 2 and 1 per rank), one process's runs and the
     two-rank TP runs."""
-    from reclaim.models.loading import save_model
-
-    tok = make_tokenizer()
-    save_model(tiny_target(len(tok)).double(), tok, root / "tiny")
-    (root / "even.py").write_text(EVEN)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _run(root, "one", 1)
-        _run(root, "one-cold", 1, **COLD)
-    finally:
-        torch.set_num_threads(threads)
+    one_process_runs(root, {"one": {}, "one-cold": COLD})
     torchrun(__file__, str(root))
 
 
