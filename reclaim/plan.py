@@ -135,6 +135,7 @@ def plan(cfg: Any, config_json: Path, world_size: int, parallelism: str) -> Plan
     """The per-rank bytes of GRPOConfig `cfg` on the model of `config_json` (see the module doc)."""
     from reclaim.engine.kv_cache import KVPool, plan_kv_blocks
     from reclaim.fsdp import PARALLELISMS, decoder_layers, shard_bytes
+    from reclaim.models.tensor_parallel import check_tensor_parallel
 
     if world_size < 1:
         raise ValueError(f"world size {world_size}: need >= 1")
@@ -144,7 +145,7 @@ def plan(cfg: Any, config_json: Path, world_size: int, parallelism: str) -> Plan
     layer_list = decoder_layers(model)  # a model FSDP cannot shard is refused by name
     mc = model.config
     tp = cfg.rollout_tensor_parallel_size
-    check_tensor_parallel(tp, world_size, mc)
+    check_tensor_parallel(mc, tp, name="rollout_tensor_parallel_size", world_size=world_size)  # as grpo refuses it
     train_dtype = mc.torch_dtype if cfg.dtype == "auto" else cfg.dtype
     rollout_dtype = train_dtype if cfg.rollout_dtype == "auto" else cfg.rollout_dtype
     elem, r_elem = dtype_bytes(train_dtype), dtype_bytes(rollout_dtype)
@@ -202,16 +203,6 @@ LOGITS_BYTES = 16  # per position and vocabulary entry of a chunk: four float32 
 
 def dtype_bytes(name: Any) -> int:
     return torch.empty(0, dtype=getattr(torch, str(name).removeprefix("torch."))).element_size()
-
-
-def check_tensor_parallel(tp: int, world_size: int, mc: Any) -> None:
-    """A rollout tensor-parallel size that divides the world, the attention heads and the K/V heads."""
-    for what, n in (("the world size", world_size), ("num_attention_heads", mc.num_attention_heads),
-                    ("num_key_value_heads", mc.num_key_value_heads)):
-        if n % tp:
-            raise ValueError(f"rollout_tensor_parallel_size={tp} does not divide {what} ({n}); "
-                             f"allowed: a divisor of {world_size}, {mc.num_attention_heads} and "
-                             f"{mc.num_key_value_heads}")
 
 
 # Megatron's split of a decoder over a tensor-parallel group: by output rows (dim 0) or input columns (dim 1).

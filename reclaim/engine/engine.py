@@ -36,6 +36,7 @@ from reclaim.engine.proposers import HYBRID_MODES, make_proposer
 from reclaim.engine.speculative import MODEL_METHODS, Draft, Proposer, DraftRequest, SpeculativeConfig
 from reclaim.engine.spec_policy import SpecPolicy
 from reclaim.engine.tensor_parallel import LeaderTarget, refuse_on_tensor_parallel, retarget, tensor_parallel
+from reclaim.models.tensor_parallel import copy_full
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger("reclaim.engine")
@@ -544,29 +545,16 @@ class Engine:
         the old weights. Each output reports the version of its tokens. On a TP engine every rank
         calls it (between generate calls) with the unsharded model's tensors and keeps its shard.
         """
-        tp = self.runner.tp
         with self._step_lock:
-            own = self.model.state_dict()
-            unknown = sorted(set(state_dict) - set(own))
-            if unknown:
-                raise ValueError(f"unknown parameter names {unknown[:5]}; expected names of model.state_dict()")
             if self.sleeping:
                 raise RuntimeError(f"update_weights() while the engine sleeps (level {self.sleeping}); call wake_up() first")
             missing = sorted(n for n, p in self.model.named_parameters() if n not in state_dict)
             if self.weights_missing and missing:
                 raise ValueError(f"the weights were freed by sleep(level=2) and {missing[:5]} were not given; "
                                  "pass every parameter of model.state_dict()")
-            with torch.no_grad():
-                for name, value in state_dict.items():
-                    if isinstance(self.draft_target, LeaderTarget):
-                        self.draft_target.update(name, value)
-                    if tp is not None:
-                        value = tp.shard(name, value)
-                    if own[name].shape != value.shape:
-                        raise ValueError(
-                            f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
-                        )
-                    own[name].copy_(value)
+            # the TP leader's whole embedding and head (an EAGLE drafter's) take the whole tensors too
+            leader = self.draft_target.update if isinstance(self.draft_target, LeaderTarget) else None
+            copy_full(self.model, state_dict, also=leader)
             self.weights_missing = False
             return self.weights_changed()
 

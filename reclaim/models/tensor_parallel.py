@@ -17,6 +17,7 @@ is still `o_proj.weight`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,20 +29,26 @@ from torch import nn
 from reclaim.models.kernels.linear import Linear, linear
 
 
-def check_tensor_parallel(cfg: Any, size: int) -> None:
-    """Refuse a TP size that does not split the model evenly, naming the value and the sizes that
-    do (before any rank loads weights: only the config is read)."""
+def check_tensor_parallel(cfg: Any, size: int, *, name: str = "tensor_parallel_size",
+                          world_size: int | None = None) -> None:
+    """Refuse a TP size that does not split the model evenly (or, with `world_size`, does not tile
+    the world into groups of consecutive ranks), naming the value and the sizes that do (before
+    any rank loads weights: only the config is read). `name`: the field the size came from."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size={size!r}; allowed: an integer >= 1")
+        raise ValueError(f"{name}={size!r}; allowed: an integer >= 1")
     if size == 1:
         return
     dims = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
-    for name, n in dims.items():
+    if world_size is not None:
+        dims = {"world_size": world_size, **dims}
+    for what, n in dims.items():
         if n % size:
             ok = [d for d in range(1, min(dims.values()) + 1) if all(v % d == 0 for v in dims.values())]
-            raise ValueError(f"tensor_parallel_size={size} does not divide {name}={n} (each rank takes an "
-                             f"equal share); allowed for this model: {ok}")
+            why = ("groups of consecutive ranks tile the world" if what == "world_size"
+                   else "each rank takes an equal share")
+            at = "" if world_size is None else f" at world size {world_size}"
+            raise ValueError(f"{name}={size} does not divide {what}={n} ({why}); allowed for this model{at}: {ok}")
 
 
 @dataclass
@@ -89,6 +96,27 @@ _SPLITS = {"q_proj.weight": 0, "q_proj.bias": 0, "k_proj.weight": 0, "k_proj.bia
 
 def _split_dim(name: str) -> int | None:
     return next((d for end, d in _SPLITS.items() if name.endswith(end)), None)
+
+
+def copy_full(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
+              also: Callable[[str, torch.Tensor], None] | None = None) -> None:
+    """Copy the unsharded model's tensors (names of model.state_dict(), read in their order) into
+    `model` in place, each cut to this rank's shard where `model` is sharded (`shard_llama`);
+    `also(name, tensor)` sees each whole tensor as it is read."""
+    tp = getattr(model, "tensor_parallel", None)
+    own = model.state_dict()
+    unknown = sorted(set(state_dict) - set(own))
+    if unknown:
+        raise ValueError(f"unknown parameter names {unknown[:5]}; expected names of model.state_dict()")
+    with torch.no_grad():
+        for name, value in state_dict.items():
+            if also is not None:
+                also(name, value)
+            if tp is not None:
+                value = tp.shard(name, value)
+            if own[name].shape != value.shape:
+                raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}")
+            own[name].copy_(value)
 
 
 class RowParallelLinear(Linear):

@@ -13,6 +13,11 @@ takes the same optimizer step, so the replicas never drift and the rollout engin
 weights from the plain module (`.module`). With `parallelism: fsdp` the policy is sharded instead
 (reclaim/fsdp.py, FSDP2's `fully_shard`, also on gloo): each rank holds 1/N of it, its gradients
 and optimizer state, and every rank gathers the full weights for its engine after each step.
+
+With `rollout_tensor_parallel_size` N the world is also split into W/N rollout groups of N
+consecutive ranks (`World.rollout_group`): a group shares one tensor-parallel engine, its first
+rank (the leader) rolling out the group's share of the prompts while the others run the leader's
+forwards on their shards. Training is unchanged: every rank trains on its micro-batches.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import inspect
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +42,8 @@ class World:
     local_rank: int = 0
     started: bool = False  # the group was started here (and is destroyed by close)
     device: torch.device = torch.device("cpu")  # where collectives run (nccl: this rank's GPU)
+    rollout_tp: int = 1  # ranks of a tensor-parallel rollout group (rollout_group)
+    groups: list[Any] = field(default_factory=list, repr=False)  # made by rollout_group; close destroys them
 
     @classmethod
     def start(cls, device: str | torch.device = "cpu") -> "World":
@@ -62,16 +69,49 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def close(self) -> None:
-        if self.started:
-            import torch.distributed as dist
+    @property
+    def is_rollout_leader(self) -> bool:
+        """Whether this rank drives its rollout group's engine (every rank without TP rollouts)."""
+        return self.rank % self.rollout_tp == 0
 
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        for group in self.groups:
+            dist.destroy_process_group(group)
+        self.groups = []
+        if self.started:
             dist.destroy_process_group()
             self.started = False
 
+    def rollout_group(self, size: int) -> tuple[Any, Any] | None:
+        """Split the world into tensor-parallel rollout groups of `size` consecutive ranks (group g:
+        ranks [g * size, (g + 1) * size), its first rank the leader) and return this rank's group
+        and a gloo group over the same ranks for the engine's step messages; None at size 1.
+        Every rank makes every group, in the same order, as torch.distributed requires."""
+        if size < 1 or self.size % size:
+            raise ValueError(f"rollout groups of {size} ranks do not tile a world of {self.size}")
+        self.rollout_tp = size
+        if size == 1:
+            return None
+        import torch.distributed as dist
+
+        mine = None
+        for first in range(0, self.size, size):
+            ranks = list(range(first, first + size))
+            made = dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+            if self.rank in ranks:
+                mine = made
+                self.groups += made
+        return mine
+
     def share(self, n: int) -> range:
-        """This rank's contiguous share of n items (rank order is item order; shares differ by <= 1)."""
-        return range(self.rank * n // self.size, (self.rank + 1) * n // self.size)
+        """This rank's contiguous share of n items to roll out (rank order is item order; shares
+        differ by <= 1). With rollout groups, the share of this rank's group on its leader and an
+        empty one on the other ranks (they run the leader's forwards)."""
+        parts, part = self.size // self.rollout_tp, self.rank // self.rollout_tp
+        start, end = part * n // parts, (part + 1) * n // parts
+        return range(start, end) if self.is_rollout_leader else range(start, start)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (pickled)."""

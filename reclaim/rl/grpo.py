@@ -35,6 +35,13 @@ be one directory all ranks see), and --resume loads it at any world size. With d
 drafter learns from the rollouts' hidden states on the workers that finished their share early
 (drafter/online.py's OnlineDrafterTrainer).
 
+With rollout_tensor_parallel_size N (dividing the world size W) the rollout workers are W/N
+groups of N consecutive ranks, each sharing one tensor-parallel engine (engine/tensor_parallel.py):
+every rank holds its 1/N shard of the rollout weights and K/V, the group's first rank rolls out
+and scores the group's share while the others run its forwards, and after each optimizer step
+every rank slices the gathered weights to its shard. Training is as without it. EAGLE drafters
+(speculative eagle, hybrid, drafter_online) are refused with it; ngram and suffix draft on the leader.
+
 The config is grpo_config.py, the prompts data.py, the loss loss.py, the rollout rollout.py and
 the checkpoints reclaim/checkpoints.py; this file is the training step and the loop.
 """
@@ -60,7 +67,9 @@ from reclaim.drafter.online import OnlineDrafterTrainer
 from reclaim.fsdp import (
     FullWeights, checkpoint_layers, clip_grad_norm_, decoder_layers, local_bytes, parallelize, training_bytes,
 )
+from reclaim.models.tensor_parallel import check_tensor_parallel, copy_full
 from reclaim.optim import adamw
+from reclaim.engine.speculative import MODEL_METHODS
 from reclaim.rl.data import build_dataset, prompt_rows
 from reclaim.rl.distributed import World, accumulating
 from reclaim.rl.grpo_config import GRPOConfig
@@ -69,7 +78,7 @@ from reclaim.rl.loss import grpo_loss
 from reclaim.rl.offload import Offload
 from reclaim.rl.rewards import load_reward
 from reclaim.rl.rollout import RolloutBatch, drafter_path, rollout, rollout_runner, spec_arms, speculative_arm
-from reclaim.rl.rollout_weights import host_copy, rollout_copy, rollout_dtype
+from reclaim.rl.rollout_weights import host_copy, meta_copy, rollout_copy, rollout_dtype
 from reclaim.schedule import lr_scheduler
 from reclaim.trackers import RunLog, progress_bar
 
@@ -153,7 +162,8 @@ def train(cfg: GRPOConfig, *, progress: bool = True, log: Callable[[str], None] 
     """Run `reclaim grpo` per cfg; returns a summary (steps, the last logged record, seconds).
 
     Under torchrun every rank calls this: each rolls out its share of every step on its own
-    engine, the policy trains data parallel (see distributed.py), rank 0 logs and checkpoints."""
+    engine (or its group's share on the group's tensor-parallel engine), the policy trains data
+    parallel (see distributed.py), rank 0 logs and checkpoints."""
     world = World.start(cfg.device)
     if world.device.type == "cuda":
         cfg = dataclasses.replace(cfg, device=str(world.device))  # this rank's GPU
@@ -183,10 +193,15 @@ def _parallelize(model: torch.nn.Module, ref: torch.nn.Module | None, cfg: GRPOC
 
 
 def _open_engine(cfg: GRPOConfig, served: torch.nn.Module, tokenizer: Any, max_len: int,
-                 last: Path | None) -> tuple[Any, OnlineDrafterTrainer | None]:
-    """The rollout engine on `served`, the rank's full copy of the policy; with drafter_online, its
-    EAGLE drafter is the online one (the checkpoint's on resume; the frozen copy is always the
-    configured drafter)."""
+                 last: Path | None, tp_groups: tuple[Any, Any] | None = None
+                 ) -> tuple[Any, OnlineDrafterTrainer | None]:
+    """The rollout engine on `served`, the rank's copy of the policy (its shard, over `tp_groups`:
+    this rank's tensor-parallel group and its gloo control group); with drafter_online, its EAGLE
+    drafter is the online one (the checkpoint's on resume; the frozen copy is always the
+    configured drafter). The proposer drafts on the leader alone (a follower only runs forwards; it
+    builds an EAGLE one too, for the engine's gather of the whole embedding and head)."""
+    import torch.distributed as dist
+
     from reclaim.engine.engine import Engine
 
     online = None
@@ -206,16 +221,20 @@ def _open_engine(cfg: GRPOConfig, served: torch.nn.Module, tokenizer: Any, max_l
     if drafter is not None and cfg.speculative.startswith("hybrid"):  # the online EAGLE drafter beside the history
         arm = speculative_arm(cfg, None)
         drafter = HybridProposer(history_proposer(arm), drafter, model_tokens=arm.hybrid_eagle_tokens)
-    if drafter is None and cfg.speculative != "none":
+    leader = tp_groups is None or dist.get_rank(tp_groups[0]) == 0
+    model_drafter = cfg.speculative.partition(":")[0] in MODEL_METHODS
+    if drafter is None and cfg.speculative != "none" and (leader or model_drafter):
         # Built now, so it follows every sequence from its prefill; one made in the tail could not
-        # draft for sequences it has not seen.
+        # draft for sequences it has not seen. An EAGLE drafter is built on every rank of a TP
+        # group too: the engine gathers the whole embedding and head for it from all of them.
         drafter = make_proposer(spec_arms(cfg)[-1], served)
-    engine = Engine(served, tokenizer, cfg.engine_config(max_len), proposer=drafter)
+    groups = {} if tp_groups is None else {"tp_group": tp_groups[0], "tp_control": tp_groups[1]}
+    engine = Engine(served, tokenizer, cfg.engine_config(max_len), proposer=drafter, **groups)
     return engine, online
 
 
 def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    from reclaim.models.loading import load_model
+    from reclaim.models.loading import load_model, read_config, resolve_model_dir
     from reclaim.models.tokenizer import encode_chat
 
     t_start = time.perf_counter()
@@ -225,10 +244,10 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         raise ValueError(f"per_device_train_batch_size * gradient_accumulation_steps * world size = "
                          f"{cfg.generation_batch_size * world.size} completions per step must be a multiple of "
                          f"num_generations={cfg.num_generations}")
-    if cfg.rollout_tensor_parallel_size != 1:
-        raise ValueError(f"rollout_tensor_parallel_size={cfg.rollout_tensor_parallel_size}: this build rolls out on "
-                         "one rank per engine (no tensor-parallel engine yet); allowed: 1 (`reclaim plan` prices "
-                         "larger sizes)")
+    tp = cfg.rollout_tensor_parallel_size
+    if tp > 1:  # every rank refuses alike, from config.json alone, before any weights load
+        check_tensor_parallel(read_config(resolve_model_dir(cfg.model)), tp, name="rollout_tensor_parallel_size",
+                              world_size=world.size)
     main = world.is_main
     out = Path(cfg.output_dir)
     rows = build_dataset(cfg)
@@ -253,9 +272,12 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     if cfg.beta > 0:  # the starting model, also on resume
         ref = load_model(cfg.model, dtype=dtype, device=cfg.device)[0] if last else copy.deepcopy(model)
         ref.requires_grad_(False)
-    # The rollout engine's full weights in rollout_dtype (each rank rolls out its share).
+    # The rollout engine's weights in rollout_dtype: the whole policy, or this rank's shard of it
+    # in a tensor-parallel rollout group (where the checkpoint's HF layout takes `layout`'s shape).
     served_dtype = rollout_dtype(cfg.rollout_dtype, model)
-    served = rollout_copy(model, served_dtype)
+    tp_groups = world.rollout_group(tp)
+    served = rollout_copy(model, served_dtype, None if tp_groups is None else tp_groups[0])
+    layout = served if tp == 1 else meta_copy(model)
     prompts = [encode_chat(tokenizer, r["prompt"]) for r in rows]
     if cfg.max_prompt_length is not None:
         prompts = [p[-cfg.max_prompt_length:] for p in prompts]
@@ -270,8 +292,8 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
     sched = lr_scheduler(opt, cfg.lr_scheduler_type, warmup_steps=cfg.num_warmup_steps, total_steps=cfg.max_steps)
     if last is not None:
         load_trainer_state(last, model, opt, sched, world)
-        served.load_state_dict(FullWeights(model, dtype=served_dtype))
-    engine, online = _open_engine(cfg, served, tokenizer, max_len, last)
+        copy_full(served, FullWeights(model, dtype=served_dtype))
+    engine, online = _open_engine(cfg, served, tokenizer, max_len, last, tp_groups)
     eos = set(engine.eos_token_ids)
     kv_bytes = local_bytes([*engine.runner.pool.k, *engine.runner.pool.v])  # the engine's K/V pool
     decisions = out / ("spec_decisions.jsonl" if main else f"spec_decisions-rank{world.rank}.jsonl")
@@ -345,6 +367,7 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
             offload.optimizer_to_host(opt)
             engine.wake_up()
         # fsdp: each tensor cast to the rollout dtype on its shard, then gathered, one at a time
+        # (a tensor-parallel engine keeps its slice of each)
         rec["weights_version"] = engine.update_weights(FullWeights(model, dtype=served_dtype))
         rec["train_s"] = time.perf_counter() - t_train
         # The drafter's tau replay is a measurement, not part of the step.
@@ -365,9 +388,11 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
                      "log_window": window, "config": config_dict, "world_size": world.size}
             pending = batch if step % cfg.num_iterations else None
             # The HF-layout policy: the engine's copy (the full weights of this very step) where it
-            # keeps the training dtype, else those gathered into host memory in the training dtype.
+            # is whole and keeps the training dtype, else those gathered into host memory in the
+            # training dtype.
             train_dtype = next(model.parameters()).dtype
-            full = engine.model if served_dtype == train_dtype else host_copy(served, model, train_dtype, main)
+            whole = served_dtype == train_dtype and tp == 1
+            full = engine.model if whole else host_copy(layout, model, train_dtype, main)
             save_grpo_checkpoint(out, step, model, full, tokenizer, opt, sched, state, pending, online, world)
             if main and cfg.save_total_limit:
                 for old in checkpoints(out, require=TRAINER_STATE)[:-cfg.save_total_limit]:

@@ -35,8 +35,9 @@ class GRPOConfig:
     # The rollout engine's copy of the policy (rl/rollout_weights.py): bfloat16 as verl and TLT
     # roll out, refreshed from the trainer's weights after each step; auto: the training dtype.
     rollout_dtype: str = "bfloat16"
-    # Ranks of a rollout engine's tensor-parallel group (verl's tensor_model_parallel_size); `reclaim
-    # plan` prices its shard. GRPO itself rolls out at 1 until the tensor-parallel engine lands.
+    # Ranks of a rollout engine's tensor-parallel group (verl's tensor_model_parallel_size): under
+    # torchrun each N consecutive ranks share one engine, each holding 1/N of its weights and K/V;
+    # it must divide the world size and the model's heads, K/V heads, MLP and vocabulary.
     rollout_tensor_parallel_size: int = 1
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's default (1 is faster on a busy CPU)
@@ -134,7 +135,6 @@ class GRPOConfig:
     drafter_eval_samples: int = 4  # completions per step replayed for tau (online vs frozen); 0: none
 
     def __post_init__(self) -> None:
-        self.engine_config(None)  # refuses an unknown engine field or a bad value by name
         report_to_list(self.report_to)  # a tracker unknown or not installed: one line, before the model loads
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = self.scale_rewards.lower() == "true"  # as TRL's command line reads it
@@ -149,6 +149,7 @@ class GRPOConfig:
                      "rollout_tensor_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.engine_config(None)  # refuses an unknown engine field or a bad value by name
         for name in ("beta", "epsilon", "learning_rate", "weight_decay", "save_steps", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -201,6 +202,12 @@ class GRPOConfig:
         if self.drafter_online and not self.speculative.startswith(("eagle", "hybrid")):
             raise ValueError(f"drafter_online trains an EAGLE drafter; it needs speculative eagle, eagle:PATH, "
                              f"hybrid or hybrid:PATH, got speculative={self.speculative!r}")
+        if self.rollout_tensor_parallel_size > 1 and self.drafter_online:
+            raise ValueError(f"rollout_tensor_parallel_size={self.rollout_tensor_parallel_size} with drafter_online: "
+                             "the online drafter trains on the target's embedding and LM head, which a "
+                             "tensor-parallel engine shards; allowed with rollout_tensor_parallel_size > 1: "
+                             "drafter_online false (a fixed EAGLE drafter, speculative eagle or hybrid, drafts "
+                             "on the group's leader)")
         for name in ("drafter_buffer_tokens", "drafter_max_steps_per_rollout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -231,12 +238,15 @@ class GRPOConfig:
 
     def engine_config(self, max_model_len: int | None) -> EngineConfig:
         """The rollout engine's config: `engine`'s fields with max_num_seqs, seed and the context."""
-        owned = sorted({"max_num_seqs", "seed", "max_model_len", "speculative"} & set(self.engine))
+        owned = sorted({"max_num_seqs", "seed", "max_model_len", "speculative", "tensor_parallel_size"}
+                       & set(self.engine))
         if owned:
-            raise ValueError(f"engine: {owned} are set by GRPO (max_num_seqs and seed are their own fields); "
-                             f"allowed there: the other EngineConfig fields")
+            raise ValueError(f"engine: {owned} are set by GRPO (max_num_seqs, seed and "
+                             f"rollout_tensor_parallel_size are its own fields); allowed there: the other "
+                             f"EngineConfig fields")
         return EngineConfig().replace(**self.engine, max_num_seqs=self.max_num_seqs, seed=self.seed,
-                                      max_model_len=max_model_len)
+                                      max_model_len=max_model_len,
+                                      tensor_parallel_size=self.rollout_tensor_parallel_size)
 
 
 def task_names(task: str) -> list[str]:

@@ -8,6 +8,11 @@ sequences are in flight it decodes plainly; below, it asks the bandit for an arm
 SpeculativeConfig or None) for the current batch size, runs the step and pays the arm the tokens
 committed per second of that step. Speculation is lossless, so the outputs are those of plain
 decoding (greedy: identical; sampled: identically distributed). Each decision is logged.
+
+Under torchrun `rollout` splits the step's prompts among the rollout workers: each rank with its
+own engine, or with `rollout_tensor_parallel_size` N each group of N ranks with one
+tensor-parallel engine, whose leader (the group's first rank) holds the requests, the proposer,
+the bandit and the scoring while the other ranks run its forwards on their shards.
 """
 
 from __future__ import annotations
@@ -187,6 +192,19 @@ def _drafter_step(online: OnlineDrafterTrainer, outs: list, engine: Any, world: 
             "loss": [r["loss"] for r in records]}
 
 
+def _generate(engine: Any, runner: AdaptiveRollout, ids: list[list[int]],
+              params: list[SamplingParams]) -> tuple[list[RequestOutput], RolloutStats]:
+    """This rank's share through the engine. A tensor-parallel follower has no share: it runs its
+    leader's forwards until the leader is done (released even when generating fails)."""
+    if not engine.is_leader:
+        engine.follow()
+        return [], RolloutStats()
+    try:
+        return runner.generate(engine, ids, params) if ids else ([], RolloutStats())
+    finally:
+        engine.release()
+
+
 def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], step: int, cfg: GRPOConfig,
             reward_funcs: Sequence[Callable], reward_names: Sequence[str], eos: set[int],
             completions_log: Path | None = None, runner: AdaptiveRollout | None = None,
@@ -196,8 +214,11 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
 
     Under torchrun each rank rolls out and scores its contiguous share of the prompts on its own
     engine, with the seeds of their places in the whole rollout, and the shares are gathered:
-    every rank holds the step's whole batch, as one process would have made it. With `online`,
-    the drafter learns from the rollout's hidden states (see OnlineDrafterTrainer) before the gather."""
+    every rank holds the step's whole batch, as one process would have made it. With
+    tensor-parallel rollout groups (World.rollout_group) the share is the group's: its leader
+    rolls it out and scores it, the other ranks follow the engine's forwards and gather an empty
+    part (their busy time is the time they followed). With `online`, the drafter learns from the
+    rollout's hidden states (see OnlineDrafterTrainer) before the gather."""
     world = world or World()
     g = cfg.num_generations
     mine = world.share(len(prompts))
@@ -214,7 +235,7 @@ def rollout(engine: Any, rows: list[dict[str, Any]], prompts: list[list[int]], s
     t0 = time.perf_counter()
     outs: list = []
     try:  # an error here is raised on every rank after the gather, so none waits for the others forever
-        outs, stats = (runner or AdaptiveRollout(None)).generate(engine, ids, params) if ids else ([], RolloutStats())
+        outs, stats = _generate(engine, runner or AdaptiveRollout(None), ids, params)
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{len(failed)} rollout request(s) failed in the engine, e.g. {failed[0].error}")

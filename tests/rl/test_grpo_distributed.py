@@ -44,6 +44,28 @@ def fields(root: Path, name: str, world: int, **kw) -> dict:
             "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2 // world, "save_steps": 1, **kw}
 
 
+def run_tiny(root: Path, name: str, world: int, **kw) -> None:
+    """grpo-tiny with `fields` (and `kw`) at world size `world`: this process is one of its ranks."""
+    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, name, world), **kw}), progress=False)
+
+
+def one_process_runs(root: Path, runs: dict[str, dict]) -> None:
+    """The tiny float64 model and the reward file in `root`, then one process's runs (name: their
+    fields), one thread each: what the torchrun ranks must equal."""
+    from reclaim.models.loading import save_model
+
+    tok = make_tokenizer()
+    save_model(tiny_target(len(tok)).double(), tok, root / "tiny")
+    (root / "even.py").write_text(EVEN)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, kw in runs.items():
+            run_tiny(root, name, 1, **kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
 ONLINE = {"speculative": "eagle:{root}/drafter", "spec_threshold": 64, "spec_depths": [2, 3],
           "drafter_online": True, "drafter_max_steps_per_rollout": 4, "drafter_eval_samples": 2}
 

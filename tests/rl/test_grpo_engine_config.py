@@ -19,6 +19,7 @@ def test_engine_fields_reach_the_rollout_engine_config():
     ({"blocksize": 32}, "unknown engine field(s) ['blocksize']"),
     ({"block_size": 0}, "block_size=0"),
     ({"max_num_seqs": 8}, "engine: ['max_num_seqs'] are set by GRPO"),
+    ({"tensor_parallel_size": 2}, "engine: ['tensor_parallel_size'] are set by GRPO"),
 ])
 def test_bad_engine_fields_are_refused_by_name(engine, named):
     with pytest.raises(ValueError) as e:

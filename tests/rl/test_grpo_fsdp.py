@@ -25,10 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_helpers import make_tokenizer, rank_main, tiny_target, torchrun
-from test_grpo_distributed import ACCUM, EVEN, _same_run, fields
-from reclaim.config import load_config
-from reclaim.rl.grpo import train
+from rl_helpers import rank_main, torchrun
+from test_grpo_distributed import ACCUM, _same_run, one_process_runs, run_tiny
 from reclaim.rl.grpo_config import GRPOConfig
 
 pytestmark = pytest.mark.launches  # torchrun ranks: run first (tests/conftest.py)
@@ -39,10 +37,6 @@ BF16_ROLLOUT = {"rollout_dtype": "bfloat16"}
 OFFLOAD = {"param_offload": True, "optimizer_offload": True}
 
 
-def _run(root: Path, name: str, world: int, **kw) -> None:
-    train(load_config(GRPOConfig, "grpo-tiny", {**fields(root, name, world), **kw}), progress=False)
-
-
 def _worker(root: Path) -> None:
     """One torchrun rank: the FSDP run, the FSDP run with the reference model (two micro-batches
     per rank), and the one-process run resumed from its step-2 checkpoint."""
@@ -50,11 +44,11 @@ def _worker(root: Path) -> None:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    _run(root, "fsdp", 2, **FSDP)
-    _run(root, "fsdp-ref", 2, **FSDP, **REF, **{**ACCUM, "gradient_accumulation_steps": 2})
-    _run(root, "one-to-fsdp", 2, **FSDP, resume_from_checkpoint=True)
-    _run(root, "fsdp-bf16", 2, **FSDP, **BF16_ROLLOUT)
-    _run(root, "fsdp-offload", 2, **FSDP, **OFFLOAD)
+    run_tiny(root, "fsdp", 2, **FSDP)
+    run_tiny(root, "fsdp-ref", 2, **FSDP, **REF, **{**ACCUM, "gradient_accumulation_steps": 2})
+    run_tiny(root, "one-to-fsdp", 2, **FSDP, resume_from_checkpoint=True)
+    run_tiny(root, "fsdp-bf16", 2, **FSDP, **BF16_ROLLOUT)
+    run_tiny(root, "fsdp-offload", 2, **FSDP, **OFFLOAD)
     dist.destroy_process_group()
 
 
@@ -66,19 +60,7 @@ def runs(built_once) -> Path:
 def _build(root: Path) -> None:
     """The tiny float64 model, the one-process runs (with and without the reference model) and the
     two-rank FSDP runs."""
-    from reclaim.models.loading import save_model
-
-    tok = make_tokenizer()
-    save_model(tiny_target(len(tok)).double(), tok, root / "tiny")
-    (root / "even.py").write_text(EVEN)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _run(root, "one", 1)
-        _run(root, "one-ref", 1, **REF, **ACCUM)
-        _run(root, "one-bf16", 1, **BF16_ROLLOUT)
-    finally:
-        torch.set_num_threads(threads)
+    one_process_runs(root, {"one": {}, "one-ref": {**REF, **ACCUM}, "one-bf16": BF16_ROLLOUT})
     shutil.copytree(root / "one", root / "one-to-fsdp")
     shutil.rmtree(root / "one-to-fsdp" / "checkpoint-3")
     torchrun(__file__, str(root))
@@ -130,7 +112,7 @@ def test_an_fsdp_checkpoint_resumes_in_one_process(runs, one_thread) -> None:
     moved = runs / "fsdp-to-one"
     shutil.copytree(runs / "fsdp", moved)
     shutil.rmtree(moved / "checkpoint-3")
-    _run(runs, "fsdp-to-one", 1, resume_from_checkpoint=True)
+    run_tiny(runs, "fsdp-to-one", 1, resume_from_checkpoint=True)
     _same_run(runs / "one", moved)
 
 

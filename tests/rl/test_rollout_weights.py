@@ -44,15 +44,3 @@ def test_rollout_dtype_auto_is_the_policys_and_others_are_refused_by_name():
     assert rollout_dtype("auto", model) == torch.float64 and rollout_dtype("bfloat16", model) == torch.bfloat16
     with pytest.raises(ValueError, match=r"rollout_dtype='int8' is not one of \['bfloat16', 'float16', 'float32', 'auto"):
         GRPOConfig(rollout_dtype="int8")
-
-
-def test_a_tensor_parallel_rollout_is_refused_until_the_engine_has_one(tiny_model_dir, tmp_path):
-    from reclaim.config import load_config
-    from reclaim.rl.grpo import train
-
-    cfg = load_config(GRPOConfig, "grpo-tiny", {"model": str(tiny_model_dir), "output_dir": str(tmp_path),
-                                                "rollout_tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match="rollout_tensor_parallel_size=2: this build rolls out on one rank"):
-        train(cfg, progress=False)
-    with pytest.raises(ValueError, match="rollout_tensor_parallel_size must be >= 1, got 0"):
-        GRPOConfig(rollout_tensor_parallel_size=0)
