@@ -99,8 +99,9 @@ class OnlineDrafterTrainer:
         """After every rank's `train`: add the other ranks' samples (rank_samples[r], rank order)
         and give every rank the drafter of the one that trained most (its weights and optimizer
         state); returns that rank."""
+        trains = getattr(world, "is_rollout_leader", True)  # a TP follower never trains: keeps no buffer
         for r, samples in enumerate(rank_samples):
-            if r != world.rank:
+            if r != world.rank and trains:
                 self.buffer.add(samples)
         src = max(range(len(rank_steps)), key=rank_steps.__getitem__)
         if world.size > 1 and rank_steps[src]:

@@ -27,7 +27,7 @@ import torch
 from reclaim.devices import prepare, resolve_device
 from reclaim.engine.config import EngineConfig
 from reclaim.engine.detokenize import IncrementalDetokenizer
-from reclaim.engine.kv_cache import BlockManager, plan_kv_blocks
+from reclaim.engine.kv_cache import BlockManager, free_storage, plan_kv_blocks, restore_storage
 from reclaim.engine.output import RequestState, commit, output
 from reclaim.engine.request import RequestOutput, SamplingParams
 from reclaim.engine.runner import ModelRunner, RunnerOutput
@@ -35,7 +35,7 @@ from reclaim.engine.sampling import make_generator
 from reclaim.engine.proposers import HYBRID_MODES, make_proposer
 from reclaim.engine.speculative import MODEL_METHODS, Draft, Proposer, DraftRequest, SpeculativeConfig
 from reclaim.engine.spec_policy import SpecPolicy
-from reclaim.engine.tensor_parallel import LeaderTarget, refuse_on_tensor_parallel, retarget, tensor_parallel
+from reclaim.engine.tensor_parallel import LeaderTarget, draft_target, refuse_on_tensor_parallel, tensor_parallel
 from reclaim.models.tensor_parallel import copy_full
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
@@ -103,7 +103,7 @@ class Engine:
         channel = tensor_parallel(model, cfg.tensor_parallel_size, device, tp_group, tp_control)
         # What an EAGLE drafter takes from the target: on a TP engine the leader's whole copies of
         # the embedding and head (gathered by every rank now), else the model itself.
-        self.draft_target, self._model_drafts = self._draft_target(model, channel, cfg.speculative, proposer)
+        self.draft_target, self._model_drafts = draft_target(model, channel, cfg.speculative, proposer)
         if channel is not None:
             refuse_on_tensor_parallel(recorder)
         kv_heads = model.config.num_key_value_heads if channel is None else channel.tp.num_kv_heads
@@ -160,25 +160,6 @@ class Engine:
         self._inbox_lock = threading.Lock()  # add/abort may come from another thread
         self._step_lock = threading.RLock()  # one step or weight swap at a time
         self._ids = itertools.count()
-
-    @staticmethod
-    def _draft_target(model: torch.nn.Module, channel: Any, speculative: Any, proposer: Any) -> tuple[Any, bool]:
-        """The model an EAGLE drafter reads the embedding and head of, and whether one can draft:
-        the model itself on one rank; on a TP engine whose config or proposer drafts with EAGLE,
-        the leader's LeaderTarget (followers build but never run their drafter). A TP engine
-        built without one gathers nothing and takes no EAGLE drafter later."""
-        if channel is None:
-            return model, True
-        model_drafter = getattr(speculative, "method", None) in MODEL_METHODS or any(
-            hasattr(p, "drafter") for p in (proposer, getattr(proposer, "model", None)) if p is not None)
-        if not model_drafter:
-            return model, False
-        target = LeaderTarget.gather(model, channel.tp)
-        if target is None:  # a follower
-            return model, True
-        if proposer is not None:
-            retarget(proposer, target)
-        return target, True
 
     @property
     def is_leader(self) -> bool:
@@ -574,11 +555,7 @@ class Engine:
             if self.sleeping:
                 raise RuntimeError(f"the engine sleeps already (level {self.sleeping}); call wake_up() first")
             self.scheduler.forget_prefixes()  # their K/V is about to go
-            freed = self.runner.pool.free()
-            if level == 2:
-                for p in {p.untyped_storage().data_ptr(): p for p in self.model.parameters()}.values():
-                    freed += p.untyped_storage().nbytes()
-                    p.untyped_storage().resize_(0)
+            freed = self.runner.pool.free() + (free_storage(self.model.parameters()) if level == 2 else 0)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.sleeping = level
@@ -593,9 +570,7 @@ class Engine:
                 return
             self.runner.pool.restore()
             if self.sleeping == 2:
-                for p in self.model.parameters():
-                    if p.untyped_storage().nbytes() == 0:
-                        p.untyped_storage().resize_(p.numel() * p.element_size())
+                restore_storage(self.model.parameters())
                 self.weights_missing = True
             self.runner.woke()
             self.sleeping = 0

@@ -8,6 +8,8 @@ without tensors; `KVPool` holds the tensors and builds a `PagedView` for one for
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from typing import Any
 
 import torch
@@ -153,6 +155,23 @@ def plan_kv_blocks(
     return min(budget, max_num_seqs * per_seq)
 
 
+def free_storage(tensors: Iterable[torch.Tensor]) -> int:
+    """Shrink each tensor's storage to nothing (shapes and identities kept, so every reference
+    to it stays valid; shared storage counted once); returns the bytes freed."""
+    freed = 0
+    for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values():
+        freed += t.untyped_storage().nbytes()
+        t.untyped_storage().resize_(0)
+    return freed
+
+
+def restore_storage(tensors: Iterable[torch.Tensor]) -> None:
+    """Storage again for tensors `free_storage` emptied (contents undefined)."""
+    for t in tensors:
+        if t.untyped_storage().nbytes() == 0:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
 class KVPool:
     """K and V for every block, a tensor per layer: k[layer] [blocks, Hkv, D, block_size] (keys
     transposed within a block), v[layer] [blocks, Hkv, block_size, D]: the layout paged attention
@@ -184,18 +203,13 @@ class KVPool:
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned host, device buffers
 
     def free(self) -> int:
-        """Give the pool's memory back (the engine's sleep): each layer's tensors keep their
-        shapes and identities, their storage shrinks to nothing. Returns the bytes freed."""
-        freed = 0
-        for t in (*self.k, *self.v):
-            freed += t.untyped_storage().nbytes()
-            t.untyped_storage().resize_(0)
-        return freed
+        """Give the pool's memory back (the engine's sleep); returns the bytes freed."""
+        return free_storage([*self.k, *self.v])
 
     def restore(self) -> None:
         """The pool's memory again after `free`, zeroed (its old contents are gone)."""
+        restore_storage([*self.k, *self.v])
         for t in (*self.k, *self.v):
-            t.untyped_storage().resize_(t.numel() * t.element_size())
             t.zero_()
 
     @staticmethod

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reclaim.engine.speculative import MODEL_METHODS
 from reclaim.models.tensor_parallel import TensorParallel, check_tensor_parallel, shard_llama
 
 # How long a follower waits for the leader's next message: a server may sit idle for long.
@@ -177,3 +178,23 @@ def retarget(proposer: Any, target: LeaderTarget) -> None:
         if p is not None and hasattr(p, "drafter") and hasattr(p, "head"):
             p.embed, p.head, p.target = target.model.embed_tokens, target.lm_head, target
             p._head_rows = None  # the draft head's rows are copied again from the whole head
+
+
+def draft_target(model: torch.nn.Module, channel: TPChannel | None, speculative: Any, proposer: Any
+                 ) -> tuple[Any, bool]:
+    """The model an EAGLE drafter reads the embedding and head of, and whether one can draft: the
+    model itself on one rank; on a TP engine whose config or proposer drafts with EAGLE, the
+    leader's LeaderTarget (the proposer pointed at it; followers build but never run their
+    drafter). A TP engine built without one gathers nothing and takes no EAGLE drafter later."""
+    if channel is None:
+        return model, True
+    model_drafter = getattr(speculative, "method", None) in MODEL_METHODS or any(
+        hasattr(p, "drafter") for p in (proposer, getattr(proposer, "model", None)) if p is not None)
+    if not model_drafter:
+        return model, False
+    target = LeaderTarget.gather(model, channel.tp)
+    if target is None:  # a follower
+        return model, True
+    if proposer is not None:
+        retarget(proposer, target)
+    return target, True

@@ -202,12 +202,6 @@ class GRPOConfig:
         if self.drafter_online and not self.speculative.startswith(("eagle", "hybrid")):
             raise ValueError(f"drafter_online trains an EAGLE drafter; it needs speculative eagle, eagle:PATH, "
                              f"hybrid or hybrid:PATH, got speculative={self.speculative!r}")
-        if self.rollout_tensor_parallel_size > 1 and self.drafter_online:
-            raise ValueError(f"rollout_tensor_parallel_size={self.rollout_tensor_parallel_size} with drafter_online: "
-                             "the online drafter trains on the target's embedding and LM head, which a "
-                             "tensor-parallel engine shards; allowed with rollout_tensor_parallel_size > 1: "
-                             "drafter_online false (a fixed EAGLE drafter, speculative eagle or hybrid, drafts "
-                             "on the group's leader)")
         for name in ("drafter_buffer_tokens", "drafter_max_steps_per_rollout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -185,7 +185,10 @@ def _drafter_step(online: OnlineDrafterTrainer, outs: list, engine: Any, world: 
     samples = online.collect(outs)
     signal = world.signal_done()
     t = time.perf_counter()
-    records = online.train(samples, engine.model, stop=signal.all_done if world.size > 1 else None)
+    # A TP group's leader trains it, on the whole embedding and head its engine keeps for the
+    # drafter (draft_target); its followers hold shards of those and train nothing.
+    records = online.train(samples, engine.draft_target, stop=signal.all_done if world.size > 1 else None) \
+        if world.is_rollout_leader else []
     train_s = time.perf_counter() - t
     signal.wait()
     return {"samples": samples, "steps": len(records), "train_s": train_s,
@@ -324,6 +327,6 @@ def _sync_drafter(online: OnlineDrafterTrainer, parts: list[dict[str, Any]], eng
         out["drafter/loss_first"], out["drafter/loss_last"] = losses[0], losses[-1]
     if world.is_main and online.eval_samples:
         t = time.perf_counter()
-        out.update(online.evaluate(parts[0]["samples"], engine.model))
+        out.update(online.evaluate(parts[0]["samples"], engine.draft_target))
         out["drafter/eval_s"] = time.perf_counter() - t
     return out

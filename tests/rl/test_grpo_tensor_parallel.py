@@ -7,8 +7,9 @@ rank 1 runs its forwards; both train as before (FSDP2 or DDP). The completions, 
 grad norms and final weights must be one process's: under fsdp and under ddp, with the history
 drafter speculating on the leader (lossless: still one process's plain completions), and resumed
 from a checkpoint written under TP rollouts (its HF weights gathered from the trainer, since the
-engine holds a shard), and with a fixed EAGLE drafter on the leader. The online drafter, and sizes that do not divide the world
-or the model, are refused by name before any weights load (in-process, no torchrun).
+engine holds a shard), with a fixed EAGLE drafter on the leader, and with the online drafter trained
+there. Sizes that do not divide the world or the model are refused by name before any weights load
+(in-process, no torchrun).
 
 Tolerance: 1e-9 relative, as tests/rl/test_grpo_fsdp.py documents (the ranks' partial sums are
 added in another order; the TP engine's split sums round otherwise too, but in float64 no sampled
@@ -26,7 +27,7 @@ import pytest
 import torch
 
 from rl_helpers import rank_main, tiny_target, torchrun
-from test_grpo_distributed import _same_run, one_process_runs, run_tiny
+from test_grpo_distributed import _same_run, one_process_runs, online, run_tiny
 from reclaim.config import load_config
 from reclaim.rl.distributed import World
 from reclaim.rl.grpo import train
@@ -62,6 +63,12 @@ def _worker(root: Path) -> None:
     StepCosts.fit = lambda self: None
     run_tiny(root, "tp-suffix", 2, **FSDP, **SUFFIX)
     run_tiny(root, "tp-eagle", 2, **FSDP, **_eagle(root))
+    # The online drafter: the leader trains every step's full budget (the group has no idle rank to
+    # wait for, so "train until the slowest is done" is held open), the follower takes its weights.
+    from reclaim.rl.distributed import DoneSignal
+
+    DoneSignal.all_done = lambda self, grace_s=0.05: False
+    run_tiny(root, "tp-online", 2, **FSDP, **online(root))
     dist.destroy_process_group()
 
 
@@ -165,6 +172,24 @@ def test_an_eagle_drafter_drafts_on_the_leader_losslessly(runs) -> None:
     assert all(r["rollout_spec_decisions"] > 0 and r["rollout_spec_tau"] >= 1 for r in recs)
 
 
+def test_the_online_drafter_trains_on_the_leader(runs) -> None:
+    """drafter_online: the leader trains the drafter on the whole embedding and head its engine
+    gathered, the follower trains nothing and takes the leader's drafter; the policy is one
+    process's plain run, and rank 0 replays the rollout for tau with the whole head."""
+    import safetensors.torch
+
+    _same_run(runs / "one", runs / "tp-online")
+    assert _completions(runs / "tp-online") == _completions(runs / "one")
+    recs = [json.loads(line) for line in (runs / "tp-online" / "log.jsonl").read_text().splitlines()]
+    for r in recs:
+        assert r["drafter/steps"] == r["drafter/steps_all_ranks"] == 4  # the leader's, all of them
+        assert r["drafter/buffer_tokens"] > 0 and r["drafter/tau_online"] >= 1
+    saved = runs / "tp-online" / "checkpoint-3" / "drafter"
+    start = safetensors.torch.load_file(runs / "drafter" / "model.safetensors")
+    trained = safetensors.torch.load_file(saved / "model.safetensors")
+    assert any(not torch.equal(start[k], trained[k]) for k in start)
+
+
 # ---- refused by name, in one process, before any weights load ------------------------------------
 
 @pytest.fixture
@@ -217,15 +242,10 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_by_name(tmp_path, no_w
         train(_config(model, tmp_path / "out", **TP), progress=False)
 
 
-def test_the_online_drafter_is_refused_with_tp_rollouts() -> None:
-    online = {"speculative": "eagle:/drafters/d", "drafter_online": True}
-    with pytest.raises(ValueError) as e:
-        GRPOConfig(**TP, **online)
-    assert "rollout_tensor_parallel_size=2 with drafter_online: the online drafter trains" in str(e.value)
-    assert "allowed with rollout_tensor_parallel_size > 1: drafter_online false" in str(e.value)
-    GRPOConfig(**online)  # fine on whole-model engines
-    for method in ("none", "ngram", "suffix", "eagle", "hybrid:/drafters/d"):  # a fixed drafter drafts on the leader
+def test_every_drafter_is_allowed_with_tp_rollouts() -> None:
+    for method in ("none", "ngram", "suffix", "eagle", "hybrid:/drafters/d"):
         GRPOConfig(**TP, speculative=method)
+    GRPOConfig(**TP, speculative="eagle:/drafters/d", drafter_online=True)
 
 
 def test_rollout_groups_split_the_prompts_in_rank_order() -> None:
