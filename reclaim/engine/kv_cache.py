@@ -8,6 +8,7 @@ without tensors; `KVPool` holds the tensors and builds a `PagedView` for one for
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from typing import Any
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from reclaim.engine.config import GIB
 from reclaim.models.cache import causal_mask, needs_mask
+from reclaim.models.kernels.flex_paged import flex_index
 from reclaim.models.kernels.paged import PagedRows, paged_attention
 from reclaim.models.kernels.paged import write as paged_write
 
@@ -155,6 +157,27 @@ def plan_kv_blocks(
     return min(budget, max_num_seqs * per_seq)
 
 
+LAYOUTS = ("blocks", "heads")
+BACKENDS = ("auto", "flex")
+
+
+def attention_backend() -> str:
+    """RECLAIM_ATTENTION_BACKEND (after vLLM's VLLM_ATTENTION_BACKEND): auto (on a CPU the C kernel,
+    FlexAttention elsewhere; where neither runs, each row's keys gathered and one SDPA) or flex
+    (FlexAttention on a CPU too)."""
+    name = os.environ.get("RECLAIM_ATTENTION_BACKEND", "auto").lower()
+    if name not in BACKENDS:
+        raise ValueError(f"RECLAIM_ATTENTION_BACKEND={name!r}; allowed: {list(BACKENDS)}")
+    return name
+
+
+def attention_layout(device: torch.device) -> str:
+    """The pool layout the attention backend reads in place: "blocks" for the C kernel (and the
+    torch path), "heads" for FlexAttention (auto: off the CPU)."""
+    backend = attention_backend()
+    return "heads" if backend == "flex" or (backend == "auto" and device.type != "cpu") else "blocks"
+
+
 def free_storage(tensors: Iterable[torch.Tensor]) -> int:
     """Shrink each tensor's storage to nothing (shapes and identities kept, so every reference
     to it stays valid; shared storage counted once); returns the bytes freed."""
@@ -190,14 +213,23 @@ class KVPool:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layout: str | None = None,
     ) -> None:
         # One block past num_blocks, never handed out: where padding tokens' K/V go.
         self.spare = num_blocks
         shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
+        self.layout = attention_layout(torch.device(device)) if layout is None else layout
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"KV pool layout={self.layout!r}; allowed: {list(LAYOUTS)}")
         # Zeros, not empty: a kernel never uses unwritten slots, but garbage could be NaN in a dump.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3).contiguous()
-                  for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if self.layout == "blocks":  # the C kernel's: one head's keys of a block contiguous, transposed
+            self.k = [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3).contiguous()
+                      for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        else:  # FlexAttention's: stored [Hkv, blocks, bs, D], seen through views of the shapes above
+            heads = (num_kv_heads, num_blocks + 1, block_size, head_dim)
+            self.k = [torch.zeros(heads, dtype=dtype, device=device).permute(1, 0, 3, 2) for _ in range(num_layers)]
+            self.v = [torch.zeros(heads, dtype=dtype, device=device).permute(1, 0, 2, 3) for _ in range(num_layers)]
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned host, device buffers
@@ -359,6 +391,10 @@ class PagedView:
                     ("q_end", [starts[r + 1] for r in paged] + [0] * pad_rows),
                     ("past", [past[r] for r in paged] + [0] * pad_rows),
                     ("tree_row", [int(r in tree_rows) for r in paged] + [0] * pad_rows)]
+        if pool.layout == "heads":  # FlexAttention's padded query blocks (kernels/flex_paged.py)
+            block_row, q_index = flex_index([starts[r] for r in paged] + [0] * pad_rows,
+                                            [starts[r + 1] for r in paged] + [0] * pad_rows, n)
+            sections += [("flex_rows", block_row), ("flex_index", q_index)]
         buf = pool.stage([v for _, xs in sections for v in xs])
         view, at = {}, 0
         for name, xs in sections:
@@ -384,6 +420,7 @@ class PagedView:
             tables=view["tables"].view(len(paged) + pad_rows, width), q_start=view["q_start"], q_end=view["q_end"],
             past=view["past"], q_pos=view["positions"], q_hi=view["hi"], tree=tree, tree_row=view["tree_row"],
             window=w, max_new=max_new, first_key=first_key, max_keys=max_keys,
+            flex=(view["flex_rows"], view["flex_index"]) if pool.layout == "heads" else None,
         )
         self.input_ids = view["ids"][None]  # [1, N]: the token ids given, if any
         self.positions = view["positions"][None]  # [1, N]

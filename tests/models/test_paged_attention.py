@@ -1,5 +1,6 @@
 """Paged attention against a per-row reference written out here (each query's visible slots
-gathered, softmax over them): the C kernel and the batched torch path (the GPU path), over decode
+gathered, softmax over them): the C kernel, the batched torch path and FlexAttention over a
+head-major pool (the GPU path), over decode
 rows, chunks after a cached prefix, speculative trees, sliding windows, grouped-query heads and
 padding rows; slots no query may see are never used (poisoned with NaN); the reference itself
 against plain causal attention."""
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from reclaim.engine.kv_cache import KVPool
+from reclaim.models.kernels import flex_paged
 from reclaim.models.kernels.paged import (PagedRows, kernel_eligible, kernel_status, paged_attention,
                                           paged_attention_torch)
 
@@ -43,9 +45,9 @@ def reference(q, k_pool, v_pool, rows: PagedRows, out) -> None:
             out[i] = torch.einsum("hs,shd->hd", w.softmax(-1), v.double()).to(out.dtype)
 
 
-def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0):
+def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0, layout=None):
     g = torch.Generator().manual_seed(seed)
-    pool = KVPool(1, 64, bs, nkv, d)
+    pool = KVPool(1, 64, bs, nkv, d, layout=layout)
     pool.k[0].normal_(generator=g)
     pool.v[0].normal_(generator=g)
     perm = torch.randperm(64, generator=g).tolist()
@@ -60,31 +62,44 @@ def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0):
     return pool, view, q, tables
 
 
-def _poison_unseen(pool, view, tables, past, new, window):
+def _poison_unseen(pool, view, tables, past, new, window, finite=False):
     """NaN in every slot of the rows' blocks that no query of its row may see, and in blocks no
-    row holds."""
+    row holds. finite: 1e4 instead (FlexAttention multiplies a whole tile's values by their
+    weights, masked ones 0, and on a CPU its tiles may run past a row's blocks, so a NaN would
+    spread; a pool holds zeros or stale K/V, which are finite): a weight above 0 on any of them
+    would still show."""
     bs = pool.block_size
     seen = torch.zeros(pool.k[0].shape[0], bs, dtype=torch.bool)
     for tb, p, n in zip(tables, past, new):
         lo = 0 if window is None else max(0, p - window + 1)  # the earliest position any query sees
         for s in range(lo, p + n):
             seen[tb[s // bs], s % bs] = True
-    pool.k[0].masked_fill_(~seen[:, None, None, :], float("nan"))
-    pool.v[0].masked_fill_(~seen[:, None, :, None], float("nan"))
+    poison = torch.full((pool.k[0].shape[0], bs), 1e4 if finite else float("nan"))
+    pool.k[0].copy_(torch.where(~seen[:, None, None, :], poison[:, None, None, :], pool.k[0]))
+    pool.v[0].copy_(torch.where(~seen[:, None, :, None], poison[:, None, :, None], pool.v[0]))
+
+
+SHAPES = [dict(), dict(nkv=2, nh=16, d=128, bs=32), dict(nkv=4, nh=4, d=16)]
+# FlexAttention compiles each shape on a CPU (~2.5 s cold): the other shapes run with -m slow
+PATHS = [(path, shape) for path in ("kernel", "torch") for shape in SHAPES] + [("flex", SHAPES[0])] + [
+    pytest.param("flex", shape, marks=pytest.mark.slow) for shape in SHAPES[1:]]
 
 
 @pytest.mark.parametrize("past,new,window,trees", CASES)
-@pytest.mark.parametrize("shape", [dict(), dict(nkv=2, nh=16, d=128, bs=32), dict(nkv=4, nh=4, d=16)])
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("path,shape", PATHS)
 def test_paged_attention_equals_the_reference(past, new, window, trees, shape, path):
-    pool, view, q, tables = _setup(past, new, window, trees, **shape)
+    pool, view, q, tables = _setup(past, new, window, trees, **shape, layout="heads" if path == "flex" else None)
     if path == "kernel" and not kernel_eligible(q, pool.k[0]):
         pytest.skip(f"C kernel {kernel_status()}")
     want = torch.zeros_like(q)
     reference(q, pool.k[0], pool.v[0], view.rows, want)
-    _poison_unseen(pool, view, tables, past, new, window)
+    _poison_unseen(pool, view, tables, past, new, window, finite=path == "flex")
     got = torch.zeros_like(q)
-    (paged_attention if path == "kernel" else paged_attention_torch)(q, pool.k[0], pool.v[0], view.rows, got)
+    if path == "flex":  # the pool head-major, as off the CPU: FlexAttention reads it in place
+        assert not kernel_eligible(q, pool.k[0]) and view.rows.flex is not None
+        assert flex_paged.paged_attention_flex(q, pool.k[0], pool.v[0], view.rows, got), flex_paged.failed
+    else:
+        (paged_attention if path == "kernel" else paged_attention_torch)(q, pool.k[0], pool.v[0], view.rows, got)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 

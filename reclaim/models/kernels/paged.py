@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from reclaim.models.kernels import cbuild
+from reclaim.models.kernels.flex_paged import paged_attention_flex
 
 _fn = None
 
@@ -47,6 +48,7 @@ class PagedRows:
     max_new: int | None = None
     first_key: int | None = None
     max_keys: int | None = None
+    flex: tuple[torch.Tensor, torch.Tensor] | None = None  # FlexAttention's query blocks (flex_paged.py)
 
     @property
     def num_rows(self) -> int:
@@ -94,7 +96,7 @@ def kernel_eligible(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     up to 256, block_size a multiple of 16, and the kernel built."""
     d, bs = q.shape[-1], k_pool.shape[-1]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_pool.dtype == torch.float32
-            and d % 16 == 0 and d <= 256 and bs % 16 == 0 and _kernel() is not None)
+            and k_pool.is_contiguous() and d % 16 == 0 and d <= 256 and bs % 16 == 0 and _kernel() is not None)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows,
@@ -106,6 +108,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if rows.num_rows == 0:
         return
     if not kernel_eligible(q, k_pool):
+        if paged_attention_flex(q, k_pool, v_pool, rows, out):  # a head-major pool (off the CPU)
+            return
         return paged_attention_torch(q, k_pool, v_pool, rows, out)
     n, nh, d = q.shape
     nkv, bs = k_pool.shape[1], k_pool.shape[3]
