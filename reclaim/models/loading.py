@@ -97,7 +97,8 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 # The state-space families (architecture -> model_type), which models/ssm.py loads and ssm/ trains.
-SSM_ARCHITECTURES = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2", "NemotronHForCausalLM": "nemotron_h"}
+SSM_ARCHITECTURES = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2", "NemotronHForCausalLM": "nemotron_h",
+                     "BambaForCausalLM": "bamba"}
 
 
 class UnsupportedModelError(ValueError):

@@ -152,19 +152,24 @@ class Attention(nn.Module):
     """Causal grouped-query attention over the keys and values of every earlier token (no positional
     encoding, as Nemotron-H's); HF NemotronHAttention parameters (no biases)."""
 
-    def __init__(self, cfg: NemotronHConfig) -> None:
+    def __init__(self, cfg: NemotronHConfig, bias: bool = False) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, h, bias=bias)
 
     def zero_state(self, batch: int, like: torch.Tensor) -> KVState:
         """No earlier token: empty keys and values."""
         empty = like.new_zeros(batch, self.kv_heads, 0, self.head_dim)
         return KVState(empty, empty.clone())
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positional encoding of the chunk's queries and keys ([B, heads, T, D], at positions
+        start, start + 1, ...): none for Nemotron-H; keys are kept as this returns them."""
+        return q, k
 
     def forward_chunk(
         self, u: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
@@ -174,6 +179,7 @@ class Attention(nn.Module):
         q = self.q_proj(u).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(u).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(u).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.rotate(q, k, k0.shape[2])
         k0, v0 = k0.to(k.dtype), v0.to(v.dtype)
         k1, v1 = torch.cat([k0, k], 2), torch.cat([v0, v], 2)
         # Query i (position s + i) sees keys 0 .. s + i: chunk_attention runs that without a

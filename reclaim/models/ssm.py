@@ -1,4 +1,4 @@
-"""One loader for every state-space LM family (Mamba-1, Mamba-2, the Nemotron-H hybrid): the config
+"""One loader for every state-space LM family (Mamba-1, Mamba-2, the Nemotron-H and Bamba hybrids): the config
 names the family, the family's loader reads the weights; each family's config, writer and
 checkpoint key names are here too, so a trainer treats every family alike."""
 
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from reclaim.models.loading import SSM_ARCHITECTURES, ssm_family  # noqa: F401 - re-exported
+from reclaim.models.bamba import BambaConfig, BambaForCausalLM, load_bamba, write_bamba
 from reclaim.models.mamba import MambaConfig, MambaForCausalLM, _read_json, load_mamba, write_mamba
 from reclaim.models.mamba2 import Mamba2Config, Mamba2ForCausalLM, load_mamba2, write_mamba2
 from reclaim.models.nemotron_h import (NemotronHConfig, NemotronHForCausalLM, load_nemotron_h,
@@ -44,6 +45,7 @@ FAMILIES = {
                                 _same),
     "NemotronHForCausalLM": Family("nemotron_h", NemotronHConfig, NemotronHForCausalLM,
                                    load_nemotron_h, write_nemotron_h, to_file_name),
+    "BambaForCausalLM": Family("bamba", BambaConfig, BambaForCausalLM, load_bamba, write_bamba, _same),
 }
 assert {a: f.model_type for a, f in FAMILIES.items()} == SSM_ARCHITECTURES
 
@@ -75,8 +77,8 @@ def build_ssm(architecture: str, fields: dict[str, Any]) -> nn.Module:
 
 def load_ssm(
     path: str | os.PathLike, dtype: torch.dtype | None = None
-) -> MambaForCausalLM | Mamba2ForCausalLM | NemotronHForCausalLM:
-    """Load a Mamba-1, Mamba-2 or Nemotron-H directory, whichever its config.json names; refuse
-    others by name."""
+) -> MambaForCausalLM | Mamba2ForCausalLM | NemotronHForCausalLM | BambaForCausalLM:
+    """Load a Mamba-1, Mamba-2, Nemotron-H or Bamba directory, whichever its config.json names;
+    refuse others by name."""
     arch = ssm_family(_read_json(Path(path) / "config.json"))
     return FAMILIES[arch].load(path, dtype)

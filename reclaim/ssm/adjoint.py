@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reclaim.models.bamba import RotaryAttention
 from reclaim.models.kernels.scan import ScanFn, selective_scan
 from reclaim.models.mamba import MambaMixer
 from reclaim.models.mamba2 import Mamba2Mixer
@@ -47,7 +48,7 @@ RECOMPUTE = ("chunk", "layer")  # what pass 2 holds an autograd graph for: see a
 # Mixer type -> its scan kernel (each takes an `adjoint=` hook for the truncated mode); None for
 # mixers without one (attention, MLP), whose state (if any) is carried exactly.
 KERNELS: dict[type, ScanFn | None] = {MambaMixer: selective_scan, Mamba2Mixer: ssd_scan,
-                                      Attention: None, MLP: None}
+                                      Attention: None, RotaryAttention: None, MLP: None}
 
 
 def layer_kernel(layer: nn.Module) -> ScanFn | None:

@@ -56,6 +56,9 @@ def _layer_parts(model: torch.nn.Module) -> list[tuple[str, Any]]:
 
     out = []
     for layer in model.backbone.layers:
+        if hasattr(layer, "feed_forward"):  # Bamba: an MLP inside every layer, not priced yet
+            raise ValueError(f"reclaim plan does not price {type(model).__name__} yet (an MLP inside every "
+                             "layer); supported: MambaForCausalLM, Mamba2ForCausalLM, NemotronHForCausalLM")
         m = layer.mixer
         out.append(("attention" if isinstance(m, Attention) else "mlp" if isinstance(m, MLP) else "mamba", m))
     return out

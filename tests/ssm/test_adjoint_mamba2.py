@@ -153,6 +153,6 @@ def test_rejects_bad_input_by_name():
     with pytest.raises(ValueError, match=r"head count \(4\) must be divisible by the group count \(3\)"):
         ssd_scan(x, dt, A, B.repeat(1, 1, 2, 1)[:, :, :3], C.repeat(1, 1, 2, 1)[:, :, :3], h0)
     model.backbone.layers.append(torch.nn.Linear(2, 2))
-    supported = r"\['MambaMixer', 'Mamba2Mixer', 'Attention', 'MLP'\]"
+    supported = r"\['MambaMixer', 'Mamba2Mixer', 'Attention', 'RotaryAttention', 'MLP'\]"
     with pytest.raises(ValueError, match="no adjoint for layer type Linear; supported: " + supported):
         adjoint_loss_backward(model, ids, chunk=2)

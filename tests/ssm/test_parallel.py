@@ -43,12 +43,12 @@ def tiny_model(n_layer: int, tie: bool = True, seed: int = 0) -> torch.nn.Module
 # Time sharding of the other families (kind, tokens, chunk, windows): on 2 ranks 37 tokens in
 # chunks of 5 split 20 / 17, 40 in chunks of 8 split 16 / 24; Mamba-2 windows are >= a chunk,
 # below, equal to and above a segment and >= T (exact).
-FAMILIES = [("mamba2", 37, 5, (5, 17, 25, 37)), ("hybrid", 40, 8, (8, 16, 30, 40))]
+FAMILIES = [("mamba2", 37, 5, (5, 17, 25, 37)), ("hybrid", 40, 8, (8, 16, 30, 40)), ("bamba", 40, 8, (16, 40))]
 
 
 def family_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A small random float64 Mamba-2 LM, or a hybrid of Mamba-2, attention (one layer of each
-    first) and MLP layers, every parameter perturbed so no gradient is trivially zero."""
+    """A small random float64 Mamba-2 LM, a hybrid of Mamba-2, attention (one layer of each first)
+    and MLP layers, or a Bamba one; every parameter perturbed so no gradient is trivially zero."""
     from reclaim.models.mamba2 import Mamba2Config, Mamba2ForCausalLM
     from reclaim.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 
@@ -57,6 +57,12 @@ def family_model(kind: str, seed: int = 0) -> torch.nn.Module:
     if kind == "mamba2":
         model = Mamba2ForCausalLM(Mamba2Config(num_hidden_layers=3, state_size=4, num_heads=6,
                                                head_dim=4, **ssd))
+    elif kind == "bamba":  # attention with RoPE at its global positions on either rank
+        from reclaim.models.bamba import BambaConfig, BambaForCausalLM
+
+        model = BambaForCausalLM(BambaConfig(vocab_size=50, hidden_size=12, intermediate_size=16, num_hidden_layers=3,
+                                             attn_layer_indices=[0, 2], num_attention_heads=4, num_key_value_heads=2,
+                                             mamba_n_heads=6, mamba_n_groups=3, mamba_d_state=4))
     else:
         model = NemotronHForCausalLM(NemotronHConfig(
             layers_block_type=["full_attention", "linear_attention", "mlp", "full_attention",

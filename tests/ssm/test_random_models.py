@@ -1,4 +1,4 @@
-"""Shapes no other test uses: Mamba-2 and Nemotron-H models drawn at random (head counts, groups,
+"""Shapes no other test uses: Mamba-2, Nemotron-H and Bamba models drawn at random (head counts, groups,
 state sizes, kernels, biases, tied heads, layer patterns), each checked against the oracles: logits
 against transformers with its math in float64, the exact adjoint's gradients against autograd at a
 chunk that divides neither the sequence nor the SSD block, and a truncated window that covers the
@@ -9,12 +9,15 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import BambaConfig as HFBambaConfig
+from transformers import BambaForCausalLM as HFBamba
 from transformers import Mamba2Config as HFMamba2Config
 from transformers import Mamba2ForCausalLM as HFMamba2
 from transformers import NemotronHConfig as HFNemotronHConfig
 from transformers import NemotronHForCausalLM as HFNemotronH
 
 from reclaim.models import ssd
+from reclaim.models.bamba import BambaConfig, BambaForCausalLM
 from reclaim.models.mamba2 import Mamba2Config, Mamba2ForCausalLM
 from reclaim.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from reclaim.ssm.adjoint import adjoint_loss_backward
@@ -55,9 +58,24 @@ def nemotron_h_config(seed: int) -> dict:
                 chunk_size=rng.randint(3, 9))
 
 
+def bamba_config(seed: int) -> dict:
+    rng = random.Random(200 + seed)
+    layers = rng.randint(2, 4)
+    heads = rng.choice([2, 4])
+    mamba_heads = rng.choice([2, 4])
+    return dict(vocab_size=rng.randint(20, 70), hidden_size=8 * rng.choice([1, 2]), num_hidden_layers=layers,
+                attn_layer_indices=sorted(rng.sample(range(layers), rng.randint(1, layers - 1))),
+                num_attention_heads=heads, num_key_value_heads=_divisor(rng, heads), intermediate_size=rng.randint(6, 20),
+                mamba_n_heads=mamba_heads, mamba_n_groups=_divisor(rng, mamba_heads), mamba_d_state=rng.randint(2, 6),
+                mamba_d_conv=rng.randint(2, 4), mamba_proj_bias=rng.random() < 0.5, attention_bias=rng.random() < 0.5,
+                mlp_bias=rng.random() < 0.5, tie_word_embeddings=rng.random() < 0.5, mamba_chunk_size=rng.randint(3, 9),
+                rope_parameters={"rope_type": "default", "rope_theta": rng.choice([100.0, 10000.0])})
+
+
 FAMILIES = {
     "mamba2": (mamba2_config, HFMamba2Config, HFMamba2, Mamba2Config, Mamba2ForCausalLM),
     "nemotron_h": (nemotron_h_config, HFNemotronHConfig, HFNemotronH, NemotronHConfig, NemotronHForCausalLM),
+    "bamba": (bamba_config, HFBambaConfig, HFBamba, BambaConfig, BambaForCausalLM),
 }
 
 

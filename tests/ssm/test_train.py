@@ -175,7 +175,7 @@ def test_bad_sharding_configs_say_what_is_allowed(tmp_path, tokens, monkeypatch)
         T.train(cfg, tokens=tokens, progress=False)
 
 
-# The bundled Mamba-2 and hybrid configs, made tiny for a test (their layouts kept).
+# The bundled Mamba-2 and hybrid configs (Nemotron-H's and Bamba's layouts), made tiny for a test.
 FAMILY_CONFIGS = {
     "ssm-mamba2-small": ("Mamba2ForCausalLM", dict(hidden_size=16, num_heads=4, head_dim=8, state_size=4,
                                                    n_groups=2)),
@@ -183,6 +183,9 @@ FAMILY_CONFIGS = {
                                                       num_key_value_heads=2, head_dim=4, intermediate_size=24,
                                                       mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=4,
                                                       n_groups=2)),
+    "ssm-bamba-small": ("BambaForCausalLM", dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                                 intermediate_size=24, mamba_n_heads=4, mamba_d_state=4,
+                                                 mamba_n_groups=2)),
 }
 
 
@@ -219,10 +222,12 @@ def test_family_resume_with_another_shape_is_refused_by_name(name, tmp_path, tok
     cfg = load(name, {"output_dir": str(tmp_path), "model_config": small, "max_steps": 1,
                       "context_length": 24, "chunk_size": 10})
     T.train(cfg, tokens=tokens, progress=False)
-    wider = load(None, {**dataclasses.asdict(cfg), "model_config": {**small, "hidden_size": 32, "expand": 1},
+    same_mixer = {"mamba_expand": 1} if arch == "BambaForCausalLM" else {"expand": 1}  # Mamba-2 width kept
+    wider = load(None, {**dataclasses.asdict(cfg), "model_config": {**small, "hidden_size": 32, **same_mixer},
                         "resume_from_checkpoint": True})
-    param = "backbone" if arch == "Mamba2ForCausalLM" else "model"
-    with pytest.raises(ValueError, match=rf"holds '{param}\.embeddings\.weight' of shape \[40, 16\]; this "
+    param = {"Mamba2ForCausalLM": "backbone.embeddings", "BambaForCausalLM": "model.embed_tokens"}.get(
+        arch, "model.embeddings")
+    with pytest.raises(ValueError, match=rf"holds '{param}\.weight' of shape \[40, 16\]; this "
                                          r"config's model has \[40, 32\]"):
         T.train(wider, tokens=tokens, progress=False)
 
