@@ -10,7 +10,7 @@ replicated under DDP. What a rank holds (rows, bytes):
 - the rollout engine's weights: the model in `rollout_dtype` (bfloat16 by default), this rank's
   tensor-parallel shard with `rollout_tensor_parallel_size` N (Megatron's split: q/k/v, gate and
   up by output rows, o and down by input columns, embeddings and LM head by vocabulary rows; norms
-  whole);
+  whole), and on rank 0 with an EAGLE drafter at N > 1 the whole embedding and head it drafts with;
 - the KV cache: the blocks the engine takes from `kv_cache_bytes` (at most max_num_seqs
   sequences at full length) at the rollout dtype and this rank's 1/N of the K/V heads;
 - activations of one training micro-batch of `per_device_train_batch_size` completions, each
@@ -184,7 +184,8 @@ def plan(cfg: Any, config_json: Path, world_size: int, parallelism: str) -> Plan
     param_device = 0 if on_host else mine
     rows = {"parameters": param_device, "gradients": param_device, "optimizer": 2 * param_device,
             "reference_model": (0 if on_host else mine) if cfg.beta > 0 else 0,
-            "rollout_weights": tp_shard_bytes(model, tp, r_elem), "kv_cache": kv, "activations": acts,
+            "rollout_weights": tp_shard_bytes(model, tp, r_elem) + leader_target_bytes(model, tp, cfg, r_elem),
+            "kv_cache": kv, "activations": acts,
             "logits": chunk * mc.vocab_size * LOGITS_BYTES, "gathered": gathered}
     rollout_off = tuple(k for k, on in (("parameters", cfg.param_offload), ("optimizer", cfg.optimizer_offload)) if on)
     off = {"rollout": rollout_off, "training": ("optimizer",) if cfg.optimizer_offload else (),
@@ -222,6 +223,17 @@ def tp_shard_bytes(model: torch.nn.Module, tp: int, elem: int) -> int:
             shape[1] = -(-shape[1] // tp)
         total += math.prod(shape) * elem
     return total
+
+
+def leader_target_bytes(model: torch.nn.Module, tp: int, cfg: Any, elem: int) -> int:
+    """An EAGLE drafter on a TP engine: the leader (rank 0) also holds the whole embedding and LM
+    head (one tensor when tied) for it (engine/tensor_parallel.py's LeaderTarget); else 0."""
+    from reclaim.engine.speculative import MODEL_METHODS
+
+    if tp == 1 or cfg.speculative.partition(":")[0] not in MODEL_METHODS:
+        return 0
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    return (embed.numel() + (0 if head is embed else head.numel())) * elem
 
 
 def report(p: Plan, device_memory: int | None) -> str:

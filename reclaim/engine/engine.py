@@ -555,11 +555,17 @@ class Engine:
             if self.sleeping:
                 raise RuntimeError(f"the engine sleeps already (level {self.sleeping}); call wake_up() first")
             self.scheduler.forget_prefixes()  # their K/V is about to go
-            freed = self.runner.pool.free() + (free_storage(self.model.parameters()) if level == 2 else 0)
+            freed = self.runner.pool.free() + (free_storage(self._weights()) if level == 2 else 0)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.sleeping = level
             return freed
+
+    def _weights(self) -> list[torch.Tensor]:
+        """What sleep(level=2) frees: the model's parameters and a TP leader's whole embedding
+        and head (update_weights refills both)."""
+        extra = list(self.draft_target.parameters()) if isinstance(self.draft_target, LeaderTarget) else []
+        return [*self.model.parameters(), *extra]
 
     def wake_up(self) -> None:
         """Take the memory `sleep` gave back: the K/V pool zeroed and, after level 2, the weights'
@@ -570,7 +576,7 @@ class Engine:
                 return
             self.runner.pool.restore()
             if self.sleeping == 2:
-                restore_storage(self.model.parameters())
+                restore_storage(self._weights())
                 self.weights_missing = True
             self.runner.woke()
             self.sleeping = 0

@@ -357,7 +357,10 @@ def _train(cfg: GRPOConfig, world: World, progress: bool, log: Callable[[str], N
         offload.optimizer_to_device(opt)
         opt.step()
         rec.update({f"memory/{k}": v for k, v in training_bytes(model, opt).items()})  # this rank's share
-        rec["memory/rollout_weights_bytes"] = local_bytes(served.parameters())
+        # this rank's shard, and on a TP leader with an EAGLE drafter the whole embedding and head it keeps
+        leader = engine.draft_target if engine.draft_target is not engine.model else None
+        rec["memory/rollout_weights_bytes"] = local_bytes(served.parameters()) + (
+            local_bytes(leader.parameters()) if leader is not None else 0)
         rec["memory/kv_cache_bytes"] = kv_bytes
         if offload.enabled:
             rec.update(offload.take())

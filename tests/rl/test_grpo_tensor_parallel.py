@@ -67,7 +67,7 @@ def _worker(root: Path) -> None:
     from reclaim.rl.distributed import DoneSignal
 
     DoneSignal.all_done = lambda self, grace_s=0.05: False
-    run_tiny(root, "tp-online", 2, **FSDP, **online(root))
+    run_tiny(root, "tp-online", 2, **FSDP, **online(root), enable_sleep_mode=True)
     dist.destroy_process_group()
 
 
@@ -157,16 +157,26 @@ def test_the_history_drafter_speculates_on_the_leader_losslessly(runs) -> None:
 
 
 def test_the_online_drafter_trains_on_the_leader(runs) -> None:
-    """drafter_online: every rank builds the EAGLE drafter, the engine gathers the whole embedding
-    and head onto the leader, which drafts there (lossless: the policy is one process's plain run)
-    and trains the drafter on them; the follower trains nothing and takes the leader's drafter;
-    rank 0 replays the rollout for tau with the whole head."""
+    """drafter_online (and the engine asleep through training): every rank builds the EAGLE
+    drafter, the engine gathers the whole embedding and head onto the leader, which drafts there
+    (lossless: the policy is one process's plain run) and trains the drafter on them; the follower
+    trains nothing and takes the leader's drafter; rank 0 replays the rollout for tau with the
+    whole head."""
     import safetensors.torch
 
     _same_run(runs / "one", runs / "tp-online")
     assert _completions(runs / "tp-online") == _completions(runs / "one")
     recs = [json.loads(line) for line in (runs / "tp-online" / "log.jsonl").read_text().splitlines()]
-    for r in recs:
+    from reclaim.models.loading import load_model
+    from reclaim.plan import leader_target_bytes, tp_shard_bytes
+
+    model = load_model(runs / "tiny", dtype=None)[0]
+    cfg = GRPOConfig(speculative="eagle:d", rollout_tensor_parallel_size=2)
+    # rank 0's rollout bytes: its shard and the whole embedding and head, as `reclaim plan` prices them
+    assert leader_target_bytes(model, 2, cfg, 8) > 0
+    assert recs[-1]["memory/rollout_weights_bytes"] == tp_shard_bytes(model, 2, 8) + leader_target_bytes(model, 2, cfg, 8)
+    for r in recs:  # asleep through training: the shard, the whole embedding and head, the K/V pool freed
+        assert r["memory/sleep_freed_bytes"] >= r["memory/rollout_weights_bytes"] + r["memory/kv_cache_bytes"]
         assert r["drafter/steps"] == r["drafter/steps_all_ranks"] == 4  # the leader's, all of them
         assert r["drafter/buffer_tokens"] > 0 and r["drafter/tau_online"] >= 1 and r["rollout_spec_decisions"] > 0
     saved = runs / "tp-online" / "checkpoint-3" / "drafter"
