@@ -50,17 +50,17 @@ def meta_ssm(config_json: Path) -> torch.nn.Module:
         return family.model(cfg)
 
 
-def _layer_parts(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    """(kind, mixer) per layer: mamba, attention or mlp."""
+def _layer_parts(model: torch.nn.Module) -> list[tuple[str, Any, int]]:
+    """(kind, mixer, SwiGLU width) per layer: mamba, attention or mlp, and the intermediate width
+    of the MLP a Bamba layer has after its mixer (0: none)."""
     from reclaim.models.nemotron_h import MLP, Attention
 
     out = []
     for layer in model.backbone.layers:
-        if hasattr(layer, "feed_forward"):  # Bamba: an MLP inside every layer, not priced yet
-            raise ValueError(f"reclaim plan does not price {type(model).__name__} yet (an MLP inside every "
-                             "layer); supported: MambaForCausalLM, Mamba2ForCausalLM, NemotronHForCausalLM")
         m = layer.mixer
-        out.append(("attention" if isinstance(m, Attention) else "mlp" if isinstance(m, MLP) else "mamba", m))
+        ff = getattr(layer, "feed_forward", None)
+        out.append(("attention" if isinstance(m, Attention) else "mlp" if isinstance(m, MLP) else "mamba", m,
+                    0 if ff is None else ff.up_proj.out_features))
     return out
 
 
@@ -89,17 +89,18 @@ def plan_ssm(cfg: Any, config_json: Path, world_size: int, sharding: str | None 
     chunks = math.ceil(tokens / q)
     states = kv = 0
     graph_per_token = []
-    for kind, m in parts:
+    for kind, m, swiglu in parts:
+        swiglu_graph = 4 * swiglu * b  # gate and up out, silu(gate), their product
         if kind == "mamba":  # h: d_inner x state (Mamba-2: heads x head_dim x state), conv tail
             conv = m.conv1d.in_channels * (m.kernel - 1)
             states += chunks * batch * (m.d_inner * m.n_state * state_b + conv * b)
-            graph_per_token.append(12 * m.d_inner * b)
+            graph_per_token.append(12 * m.d_inner * b + swiglu_graph)
         elif kind == "attention":
             kv += batch * length * 2 * m.kv_heads * m.head_dim * b  # worst rank: every earlier key
-            graph_per_token.append(4 * h * b)
+            graph_per_token.append(4 * h * b + swiglu_graph)
         else:
             graph_per_token.append(3 * m.up_proj.out_features * b)
-    n_attention = sum(kind == "attention" for kind, _ in parts)
+    n_attention = sum(kind == "attention" for kind, _, _ in parts)
     one_layer = by_time or cfg.adjoint_recompute == "layer"  # by time: always one layer's graph
     graph = batch * min(q, tokens) * (max(graph_per_token) if one_layer else sum(graph_per_token))
     if one_layer and not by_time:  # the chunk's layer inputs, re-run without autograd

@@ -47,3 +47,23 @@ def test_plan_command_reads_an_ssm_config() -> None:
                                    "nemotron-h-8b", "--sharding", "layer"])
     assert bad.exit_code != 0 and "the plan covers ['none', 'fsdp', 'time']" in bad.output
     assert Path(NEMOTRON_8B).is_file()
+
+
+def test_a_bamba_plan_prices_the_mlp_inside_each_layer(tmp_path) -> None:
+    """Bamba's layers each end in a SwiGLU MLP: the chunk's graph grows with its width (gate and
+    up outputs, silu, their product: 4 x intermediate per token), its parameters are counted."""
+    import json
+
+    from reclaim.models.bamba import BambaConfig
+
+    bamba = load_config(SSMTrainConfig, "ssm-bamba-small", {"adjoint_recompute": "layer"})
+    paths = {}
+    for width in (384, 768):
+        shape = {**bamba.model_config, "vocab_size": 256, "intermediate_size": width}
+        paths[width] = tmp_path / f"{width}.json"
+        paths[width].write_text(json.dumps(BambaConfig.from_hf(shape).to_hf()))
+    narrow, wide = (plan_ssm(bamba, paths[w], 1) for w in (384, 768))
+    q, b = bamba.chunk_size, 4
+    assert wide.rows["chunk_graph"] - narrow.rows["chunk_graph"] == q * 4 * 384 * b
+    assert wide.num_parameters - narrow.num_parameters == 6 * 3 * 128 * 384  # 6 layers' gate, up, down
+    assert narrow.rows["attention_kv"] == 2048 * 2 * 2 * 32 * b  # one attention layer: 2 K/V heads of 32
