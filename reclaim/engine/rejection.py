@@ -220,8 +220,8 @@ def verify_batch(logits: list[torch.Tensor], drafts: list[Draft], params: list[S
     token, then each draft token), as `accept`, `accept_tree` and the keyed variants do, for the
     whole batch at once: greedy rows and seeded rows (keyed draws at every node) choose every
     node's token in one op and walk their drafts on the host; sampled chains are accepted or
-    rejected with tensor ops (`_chains`); sampled trees, whose recursive rejection decides node
-    by node, are verified one by one. `positions[r]`: the position of the first token row r
+    rejected with tensor ops (`_chains`); sampled trees run every node's recursive rejection at
+    once (`_trees`) and walk the outcomes on the host. `positions[r]`: the position of the first token row r
     chooses. The result: per row (tokens to commit, accepted draft path), or the exception that
     fails it alone."""
     dev = logits[0].device if logits else torch.device("cpu")
@@ -230,11 +230,6 @@ def verify_batch(logits: list[torch.Tensor], drafts: list[Draft], params: list[S
     chains = [r for r, p in enumerate(params) if not p.greedy and p.seed is None and drafts[r].parents is None]
     trees = [r for r, p in enumerate(params) if not p.greedy and p.seed is None and drafts[r].parents is not None]
     results: dict[int, Any] = {}
-    for r in trees:  # recursive rejection: each node's draw decides the next
-        try:
-            results[r] = accept_tree(logits[r], drafts[r], params[r], generators[r], fallback)
-        except Exception as exc:  # noqa: BLE001 - this request alone fails
-            results[r] = exc
     values, parts = [], []  # (kind, rows, count)
     nodes = greedy + keyed  # every node's token chosen up front
     if nodes:
@@ -249,6 +244,11 @@ def verify_batch(logits: list[torch.Tensor], drafts: list[Draft], params: list[S
         values.append(_chains([logits[r] for r in chains], [drafts[r] for r in chains],
                               [params[r] for r in chains], [generators[r] for r in chains], fallback))
         parts.append(("chains", 3 * len(chains)))
+    if trees:
+        got = _trees([logits[r] for r in trees], [drafts[r] for r in trees], [params[r] for r in trees],
+                     [generators[r] for r in trees], fallback)
+        values.append(got)
+        parts.append(("trees", got.shape[0]))
 
     def finish(got: list[int]) -> list[Any]:
         at = 0
@@ -261,14 +261,77 @@ def verify_batch(logits: list[torch.Tensor], drafts: list[Draft], params: list[S
                     m = logits[r].shape[0]
                     results[r] = _walk(drafts[r], toks[i:i + m]) if all(oks[i:i + m]) else ValueError(NO_FINITE_LOGIT)
                     i += m
-            else:
+            elif kind == "chains":
                 for j, r in enumerate(chains):
                     n_acc, tok, good = seg[3 * j: 3 * j + 3]
                     results[r] = ((drafts[r].tokens[:n_acc] + [tok], list(range(n_acc))) if good
                                   else ValueError(NO_FINITE_LOGIT))
+            else:
+                i = 0
+                for r in trees:  # per node: the child it accepted (-1: none), the token drawn, finite
+                    m = logits[r].shape[0]
+                    child, tok, good = seg[3 * i:3 * (i + m):3], seg[3 * i + 1:3 * (i + m):3], seg[3 * i + 2:3 * (i + m):3]
+                    results[r] = _walk_tree(drafts[r], child, tok) if all(good) else ValueError(NO_FINITE_LOGIT)
+                    i += m
         return [results[r] for r in range(len(params))]
 
     return Deferred(torch.cat(values) if values else torch.zeros(0, dtype=torch.long, device=dev), finish)
+
+
+def _trees(logits: list[torch.Tensor], drafts: list[Draft], params: list[SamplingParams], generators: list,
+           fallback: torch.Generator | None) -> torch.Tensor:
+    """`accept_tree`'s recursive rejection for sampled trees, every node of every tree at once:
+    per node (a verify row) its children are tried in order, child c accepted with probability
+    p(c) over the mass its rejected elder siblings left, and when all fail a token is drawn from
+    p without them. A node's outcome depends on its own p and uniforms only (the walk decides
+    which nodes count), so all are computed up front with independent uniforms, distributed as
+    the walk's. Per node [accepted child (-1: none), drawn token, logits finite], int64 [3 * N]."""
+    dev = logits[0].device
+    x = torch.cat(logits)
+    n = x.shape[0]
+    p = probs(x, [pp for pp, lg in zip(params, logits) for _ in range(lg.shape[0])])  # [N, V] float64
+    _, ok = clean(x)
+    kids: list[list[int]] = []  # per node, its children's draft indices in the order they are tried
+    toks: list[list[int]] = []
+    for dr, lg in zip(drafts, logits):
+        children = dr.children()
+        for row in range(lg.shape[0]):
+            ks = children.get(row - 1, [])
+            kids.append(ks)
+            toks.append([dr.tokens[k] for k in ks])
+    width = max(1, max(len(k) for k in kids))
+    tok = torch.tensor([t + [0] * (width - len(t)) for t in toks], device=dev)  # [N, W]
+    valid = torch.tensor([[j < len(t) for j in range(width)] for t in toks], device=dev)
+    pc = p.gather(1, tok) * valid  # each child's mass
+    left = p.sum(-1, keepdim=True) - (pc.cumsum(1) - pc)  # what its elder siblings' rejections left
+    us = uniforms(list(range(n * (width + 1))), [g for g, lg in zip(generators, logits)
+                                                 for _ in range(lg.shape[0] * (width + 1))], fallback,
+                  dev).view(n, width + 1)
+    take = valid & (pc > 0) & (us[:, :width] * left < pc)
+    first = torch.where(take.any(1), take.long().argmax(1), -1)  # the first child accepted
+    is_child = torch.zeros_like(p).scatter_add_(1, tok, valid.to(p.dtype)) > 0  # (padding adds nothing)
+    rest = p.masked_fill(is_child, 0.0)  # p without the children
+    has = rest.sum(-1) > 0
+    drawn = draw(torch.where(has[:, None], rest, p) / torch.where(has[:, None], rest, p).sum(-1, keepdim=True),
+                 us[:, width])
+    # rounding left no mass outside the children: the last child had it all (as accept_tree)
+    last = valid.long().sum(1) - 1
+    first = torch.where((first < 0) & ~has & (last >= 0), last, first)
+    slot = torch.tensor([k + [0] * (width - len(k)) for k in kids], device=dev)
+    child = torch.where(first >= 0, slot.gather(1, first.clamp(min=0)[:, None]).squeeze(1), -1)
+    return torch.stack([child, drawn, ok.long()], 1).reshape(-1)
+
+
+def _walk_tree(draft: Draft, child: list[int], token: list[int]) -> tuple[list[int], list[int]]:
+    """Follow a tree through each node's accepted child (`child[row]`, -1: none, then the token
+    drawn there ends it): the tokens to commit and the accepted path of draft indices."""
+    row, path, out = 0, [], []
+    while child[row] >= 0:
+        k = child[row]
+        path.append(k)
+        out.append(draft.tokens[k])
+        row = k + 1
+    return out + [token[row]], path
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
-from reclaim.engine.speculative import SpeculativeConfig
+from reclaim.engine.speculative import Draft, SpeculativeConfig
 from reclaim.models.kernels.paged import kernel_status
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique2",
@@ -107,6 +107,33 @@ def test_a_speculative_verify_step_syncs_within_the_budget(tiny, temperature):
     assert engine.stats()["spec_verifies"] > 0
     for seen in steps:
         assert len(seen) <= (1 if temperature == 0 else 2), seen
+
+
+class _Trees:
+    """A tree on every row: two children of the pending token, a grandchild under the first."""
+
+    def propose(self, reqs):
+        return [Draft([5, 7, 9], None, [-1, -1, 0]) if r.max_tokens >= 3 else Draft([]) for r in reqs]
+
+    def observe(self, *a):
+        pass
+
+    def finish(self, *a):
+        pass
+
+    def release(self, *a):
+        pass
+
+
+def test_a_sampled_tree_verify_step_syncs_at_most_twice(tiny):
+    """Sampled trees are verified together too (every node's rejection at once), not row by row."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_batch=64, measured_costs=False)
+    engine = Engine(tiny[0], num_blocks=64, block_size=16, max_num_seqs=8, speculative=spec, proposer=_Trees())
+    params = [SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)] * 4
+    steps = _decode_syncs(engine, params, steps=8)
+    assert engine.stats()["spec_verifies"] > 0
+    for seen in steps:
+        assert len(seen) <= 2, seen
 
 
 class OpCounter(TorchDispatchMode):

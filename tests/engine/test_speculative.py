@@ -269,6 +269,33 @@ def test_tree_first_token_distribution_matches_target(rule):
     assert (stat < CHI2_CRITICAL_5DF) == (rule == "right"), (rule, stat)
 
 
+def test_batched_tree_verify_samples_the_target_distribution():
+    """verify_batch's sampled trees (every node's recursive rejection at once, then a walk on the
+    host) draw the first token from the target at the pending token, and after an accepted first
+    child the second from the target at that child; a batch of DRAWS copies of one tree."""
+    from reclaim.engine.rejection import verify_batch
+    from reclaim.engine.sampling import probs, read
+
+    params = SamplingParams(temperature=0.8, top_k=5)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, V, generator=g) * 1.5
+    target = probs(logits[:1], [params])[0]
+    ranked = target.argsort(descending=True).tolist()
+    draft = Draft([ranked[0], ranked[1], ranked[3]], None, [-1, -1, 0])  # two root children, one grandchild
+    got = read([verify_batch([logits] * DRAWS, [draft] * DRAWS, [params] * DRAWS, [0] * DRAWS, [None] * DRAWS,
+                             torch.Generator().manual_seed(1))])[0]
+    first = torch.zeros(V, dtype=torch.float64)
+    second = torch.zeros(V, dtype=torch.float64)
+    for tokens, path in got:
+        first[tokens[0]] += 1
+        assert path in ([], [0], [1], [0, 2]) and tokens[:-1] == [draft.tokens[k] for k in path]
+        if path[:1] == [0]:  # child 0 accepted: the next token comes from draft token 0's row
+            second[tokens[1]] += 1
+    assert _chi2(first, target) < CHI2_CRITICAL_5DF
+    assert second.sum() > 500 and _chi2(second, probs(logits[1:2], [params])[0]) < CHI2_CRITICAL_5DF
+    assert _chi2(first, probs(logits[1:2], [params])[0]) > CHI2_CRITICAL_5DF  # the test can fail
+
+
 def test_depth_controller_picks_the_depth_with_most_tokens_per_cost():
     """The chosen depth maximises E(k) / cost(k) (checked against every depth); a drafter that
     always misses ends in plain decoding with a one-token probe every probe_every steps; one
