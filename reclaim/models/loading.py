@@ -183,6 +183,11 @@ class SafetensorsSource(Mapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._open(key).get_tensor(key)
 
+    def part(self, key: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) start .. start + length of a tensor, read alone."""
+        view = self._open(key).get_slice(key)
+        return view[start:start + length] if dim == 0 else view[:, start:start + length]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
 
@@ -197,15 +202,24 @@ def build_model(
     dtype: torch.dtype | str | None = torch.float32,
     device: str | torch.device = "cpu",
     source: str = "state dict",
+    tp_group: Any = None,
 ) -> LlamaForCausalLM:
     """A model of shape `cfg` holding `tensors` (HF names), checked key by key and shape by shape.
 
     `source` names where the tensors came from, for error messages. The model is in eval mode.
+    With `tp_group` (a tensor-parallel group) the model is this rank's shard (`shard_llama`), cut
+    before any weight is read, and a split tensor is read as its slice only (where `tensors`
+    can: a SafetensorsSource), so a rank never holds the whole model.
     """
     dtype, device = as_dtype(dtype), torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tp = None
+    if tp_group is not None:
+        from reclaim.models.tensor_parallel import shard_llama
+
+        tp = shard_llama(model, tp_group)
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     keys = [k for k in tensors if not IGNORED_KEY.search(k)]
     missing = sorted(set(expected) - set(keys) - optional)
@@ -229,7 +243,13 @@ def build_model(
                 f"{where(key)}: tensor {key!r} has shape {list(got)}, expected {list(expected[key])} "
                 "from config.json"
             )
-        t = tensors[key]
+        part = None if tp is None else tp.part(key, got)
+        if part is None:
+            t = tensors[key]
+        elif hasattr(tensors, "part"):
+            t = tensors.part(key, *part)
+        else:
+            t = tensors[key].narrow(*part)
         state[key] = t.to(device=device, dtype=dtype or t.dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -244,11 +264,13 @@ def load_checkpoint(
     *,
     dtype: torch.dtype | str | None = torch.float32,
     device: str | torch.device = "cpu",
+    tp_group: Any = None,
 ) -> LlamaForCausalLM:
-    """The model alone from an HF directory (or the default model); dtype None keeps the stored one."""
+    """The model alone from an HF directory (or the default model); dtype None keeps the stored
+    one; with `tp_group`, this rank's tensor-parallel shard, read slice by slice (build_model)."""
     path = resolve_model_dir(name_or_path)
     cfg = read_config(path)
-    return build_model(cfg, SafetensorsSource(path), dtype=dtype, device=device, source=str(path))
+    return build_model(cfg, SafetensorsSource(path), dtype=dtype, device=device, source=str(path), tp_group=tp_group)
 
 
 def load_model(
@@ -256,13 +278,15 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = torch.float32,
     device: str | torch.device = "cpu",
+    tp_group: Any = None,
 ) -> tuple[LlamaForCausalLM, Any]:
     """Model and tokenizer from a local HF directory; None or 'default' is SmolLM2-135M-Instruct.
 
-    The tokenizer is None when the directory has no tokenizer files.
+    The tokenizer is None when the directory has no tokenizer files. With `tp_group`, the model
+    is this rank's tensor-parallel shard, read slice by slice.
     """
     path = resolve_model_dir(name_or_path)
-    model = load_checkpoint(path, dtype=dtype, device=device)
+    model = load_checkpoint(path, dtype=dtype, device=device, tp_group=tp_group)
     return model, load_tokenizer(path) if has_tokenizer(path) else None
 
 

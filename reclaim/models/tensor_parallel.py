@@ -81,11 +81,16 @@ class TensorParallel:
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full tensor `name` of the unsharded model's state dict (as is
         for a replicated one): how new full weights reach a sharded model."""
+        part = self.part(name, tuple(full.shape))
+        return full if part is None else full.narrow(*part)
+
+    def part(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(dim, start, length) of this rank's slice of tensor `name` of `shape`; None: whole."""
         dim = _split_dim(name)
         if dim is None:
-            return full
-        rows = full.shape[dim] // self.size
-        return full.narrow(dim, self.rank * rows, rows)
+            return None
+        rows = shape[dim] // self.size
+        return dim, self.rank * rows, rows
 
 
 # Parameter name endings and the dimension each is split along (0: rows, 1: columns).

@@ -189,9 +189,9 @@ def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000,
         tp_group, tp_control = start_group(tp, device)
     engine_config = engine_config.replace(device=str(device), dtype=resolve_dtype(
         engine_config.dtype, device, read_config(path).torch_dtype))
-    # a TP rank loads on the host and keeps its shard: the whole model never sits on its device
-    weights, tokenizer = load_model(path, device="cpu" if tp > 1 else engine_config.device,
-                                    dtype=engine_config.dtype)
+    # a TP rank reads only its shard, slice by slice: the whole model never sits on any rank
+    weights, tokenizer = load_model(path, device=engine_config.device, dtype=engine_config.dtype,
+                                    tp_group=tp_group if tp > 1 else None)
     if tp > 1 and dist.get_rank() != 0:  # a follower: the leader's forwards until it shuts down
         from reclaim.engine.engine import Engine
 

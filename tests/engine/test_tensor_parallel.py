@@ -138,6 +138,28 @@ def _eagle_runs(drafter_dir: Path) -> dict:
     return out
 
 
+def _load_shard(directory: Path) -> dict:
+    """A checkpoint loaded as this rank's shard (what `serve --tensor-parallel-size` does) against
+    the whole model loaded and cut: equal tensors, and no split tensor read whole."""
+    from reclaim.models import loading
+    from reclaim.models.tensor_parallel import shard_llama
+
+    model = _model(torch.float32, attention_bias=True)
+    loading.save_model(model, None, directory)
+    whole = loading.load_model(directory)[0]
+    shard_llama(whole)
+    read_whole: list[str] = []
+    get = loading.SafetensorsSource.__getitem__
+    loading.SafetensorsSource.__getitem__ = lambda self, key: read_whole.append(key) or get(self, key)
+    try:
+        part = loading.load_model(directory, tp_group=torch.distributed.group.WORLD)[0]
+    finally:
+        loading.SafetensorsSource.__getitem__ = get
+    same = all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), part.state_dict().values()))
+    return {"same": same and whole.state_dict().keys() == part.state_dict().keys(),
+            "read_whole": read_whole, "kv_heads": part.tensor_parallel.num_kv_heads}
+
+
 def _worker(out: Path) -> None:
     import torch.distributed as dist
 
@@ -163,6 +185,7 @@ def _worker(out: Path) -> None:
     results["hist"] = _hist(eng.generate([CHI_PROMPT] * DRAWS, SAMPLED), 8)
     results["hist_accepted"] = eng.stats()["spec_accepted"] if eng.is_leader else None
     results["eagle"] = _eagle_runs(out.parent / f"drafter-rank{dist.get_rank()}")
+    results["load"] = _load_shard(out.parent / f"model-rank{dist.get_rank()}")
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -211,6 +234,14 @@ def test_tp2_samples_the_target_distribution(two_ranks):
     assert same_distribution(two_ranks["hist"], one_process(1.0), DRAWS)
     # the test can fail: a sharper distribution is told apart
     assert not same_distribution(two_ranks["hist"], one_process(0.6), DRAWS)
+
+
+@pytest.mark.launches
+def test_a_rank_loads_only_its_shard_of_a_checkpoint(two_ranks):
+    got = two_ranks["load"]
+    assert got["same"] and got["kv_heads"] == 1
+    # only tensors kept whole on every rank (norms, biases of row-parallel layers) are read whole
+    assert got["read_whole"] and all(k.endswith(("norm.weight", "o_proj.bias")) for k in got["read_whole"])
 
 
 @pytest.mark.launches
