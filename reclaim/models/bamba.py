@@ -12,10 +12,8 @@ Attention is causal GQA with rotary position embedding on the first half of each
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reclaim.models.mamba import RecurrentLM, _read_json
-from reclaim.models.mamba2 import Mamba2Mixer, SSDLayerShape, check_shapes
+from reclaim.models.mamba import RecurrentLM
+from reclaim.models.mamba2 import (Mamba2Mixer, SSDLayerShape, from_hf_fields, load_hf_ssm, to_hf_fields,
+                                    write_hf_ssm)
 from reclaim.models.nemotron_h import ATTENTION, MAMBA, Attention
 from reclaim.models.norm import RMSNorm
 
@@ -124,15 +123,10 @@ class BambaConfig:
         if "rope_theta" in d:
             rope.setdefault("rope_theta", d.pop("rope_theta"))
         d["rope_parameters"] = rope
-        names = set(cls.__dataclass_fields__) - {"extra"}
-        extra = {k: v for k, v in d.items() if k not in names and k not in ("model_type", "architectures")}
-        return cls(**{k: v for k, v in d.items() if k in names}, extra=extra)
+        return from_hf_fields(cls, d)
 
     def to_hf(self) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        d["time_step_limit"] = list(self.time_step_limit)
-        return {**extra, **d, "model_type": MODEL_TYPE, "architectures": [HF_ARCH]}
+        return to_hf_fields(self, MODEL_TYPE, HF_ARCH)
 
 
 class RotaryAttention(Attention):
@@ -244,26 +238,12 @@ class BambaForCausalLM(RecurrentLM):
 
 def load_bamba(path: str | os.PathLike, dtype: torch.dtype | None = None) -> BambaForCausalLM:
     """Load an HF Bamba directory (config.json + safetensors)."""
-    from reclaim.models.loading import SafetensorsSource
-
-    path = Path(path)
-    cfg = BambaConfig.from_hf(_read_json(path / "config.json"))
-    src = SafetensorsSource(path)
-    state = {k: src[k] for k in src}
-    model = BambaForCausalLM(cfg)
-    check_shapes(model, state, str(path), tied=cfg.tie_word_embeddings)
-    model.to(dtype or state["model.embed_tokens.weight"].dtype).load_state_dict(state, strict=False)
-    return model
+    return load_hf_ssm(path, BambaConfig, BambaForCausalLM, dtype)
 
 
 def write_bamba(model: BambaForCausalLM, path: Path) -> None:
     """Write `model` into the existing directory `path` as an HF directory."""
-    from reclaim.models.loading import write_weights
-
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    conf = {**model.config.to_hf(), "torch_dtype": dtype}
-    (path / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-    write_weights(model, model.config, path, "5GB")
+    write_hf_ssm(model, path)
 
 
 def save_bamba(model: BambaForCausalLM, path: str | os.PathLike) -> Path:

@@ -10,11 +10,14 @@ multiplies by silu(gate) before an RMSNorm over each group's channels. The layer
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,6 +31,22 @@ from reclaim.models.ssd import ssd_scan
 
 HF_ARCH = "Mamba2ForCausalLM"
 MODEL_TYPE = "mamba2"
+
+
+def from_hf_fields(cls: type, d: dict[str, Any], drop: tuple[str, ...] = ("model_type", "architectures")) -> Any:
+    """A family's config dataclass from an HF config.json dict: its own fields, the rest (but
+    `drop`) kept in `extra` for the round trip."""
+    names = set(cls.__dataclass_fields__) - {"extra"}
+    extra = {k: v for k, v in d.items() if k not in names and k not in drop}
+    return cls(**{k: v for k, v in d.items() if k in names}, extra=extra)
+
+
+def to_hf_fields(cfg: Any, model_type: str, architecture: str, **more: Any) -> dict[str, Any]:
+    """The HF config.json dict of a family's config dataclass (time_step_limit as a list)."""
+    d = asdict(cfg)
+    extra = d.pop("extra")
+    d["time_step_limit"] = list(cfg.time_step_limit)
+    return {**extra, **d, **more, "model_type": model_type, "architectures": [architecture]}
 
 
 @dataclass
@@ -98,16 +117,11 @@ class Mamba2Config:
             raise ValueError(f"model_type {d['model_type']!r} is not a Mamba-2 config; expected {MODEL_TYPE!r}")
         if "dtype" in d:
             d.setdefault("torch_dtype", d.pop("dtype"))
-        names = set(cls.__dataclass_fields__) - {"extra"}
-        extra = {k: v for k, v in d.items() if k not in names and k not in ("model_type", "architectures")}
-        return cls(**{k: v for k, v in d.items() if k in names}, extra=extra)
+        return from_hf_fields(cls, d)
 
     def to_hf(self) -> dict[str, Any]:
         """The HF config.json dict."""
-        d = asdict(self)
-        extra = d.pop("extra")
-        d["time_step_limit"] = list(self.time_step_limit)
-        return {**extra, **d, "model_type": MODEL_TYPE, "architectures": [HF_ARCH]}
+        return to_hf_fields(self, MODEL_TYPE, HF_ARCH)
 
 
 @dataclass(frozen=True)
@@ -270,32 +284,50 @@ def check_shapes(model: nn.Module, state: dict[str, torch.Tensor], where: str, *
                              f"{list(shape)} under its config")
 
 
-def load_mamba2(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Mamba2ForCausalLM:
-    """Load an HF Mamba-2 directory (config.json + safetensors)."""
+def load_hf_ssm(path: str | os.PathLike, config_cls: type, model_cls: type, dtype: torch.dtype | None,
+                rename: Callable[[str], str] = lambda k: k) -> nn.Module:
+    """An HF directory of an SSM family (config.json + safetensors): the config read by
+    `config_cls.from_hf`, each tensor named as the model's module (`rename`), a tied head's copy
+    dropped, names and shapes checked, in `dtype` (default: the embedding's dtype in the file)."""
     from reclaim.models.loading import SafetensorsSource
 
     path = Path(path)
-    cfg = Mamba2Config.from_hf(_read_json(path / "config.json"))
+    cfg = config_cls.from_hf(_read_json(path / "config.json"))
     src = SafetensorsSource(path)
-    # Old mamba_ssm-converted checkpoints name the embedding `embedding` (transformers renames it too).
-    state = {k.replace("backbone.embedding.", "backbone.embeddings."): src[k] for k in src}
-    if cfg.tie_word_embeddings:
+    state = {rename(k): src[k] for k in src}
+    model = model_cls(cfg)
+    tied = model.lm_head.weight is model.backbone.embeddings.weight
+    if tied:
         state.pop("lm_head.weight", None)
-    model = Mamba2ForCausalLM(cfg)
-    check_shapes(model, state, str(path), tied=cfg.tie_word_embeddings)
+    check_shapes(model, state, str(path), tied=tied)
+    embed = next(n for n, p in model.named_parameters() if p is model.backbone.embeddings.weight)
     # In the asked dtype, else the checkpoint's: loading float64 weights into float32 would round them.
-    model.to(dtype or state["backbone.embeddings.weight"].dtype).load_state_dict(state, strict=False)
+    model.to(dtype or state[embed].dtype).load_state_dict(state, strict=False)
     return model
 
 
-def write_mamba2(model: Mamba2ForCausalLM, path: Path) -> None:
-    """Write `model` into the existing directory `path` as an HF directory."""
+def write_hf_ssm(model: nn.Module, path: Path, rename: Callable[[str], str] | None = None) -> None:
+    """Write an SSM family's `model` into the existing directory `path` as an HF directory (files
+    named by `rename`; a tied head stored once, as the embedding)."""
     from reclaim.models.loading import write_weights
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     conf = {**model.config.to_hf(), "torch_dtype": dtype}
     (path / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-    write_weights(model, model.config, path, "5GB")
+    tied = model.lm_head.weight is model.backbone.embeddings.weight
+    write_weights(model, SimpleNamespace(tie_word_embeddings=tied), path, "5GB", rename=rename)
+
+
+def load_mamba2(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Mamba2ForCausalLM:
+    """Load an HF Mamba-2 directory (config.json + safetensors). Old mamba_ssm-converted
+    checkpoints name the embedding `embedding` (transformers renames it too)."""
+    return load_hf_ssm(path, Mamba2Config, Mamba2ForCausalLM, dtype,
+                       lambda k: k.replace("backbone.embedding.", "backbone.embeddings."))
+
+
+def write_mamba2(model: Mamba2ForCausalLM, path: Path) -> None:
+    """Write `model` into the existing directory `path` as an HF directory."""
+    write_hf_ssm(model, path)
 
 
 def save_mamba2(model: Mamba2ForCausalLM, path: str | os.PathLike) -> Path:

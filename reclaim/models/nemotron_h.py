@@ -11,11 +11,9 @@ sequence runs whole, in chunks (adjoint training) or a token at a time (generati
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from reclaim.models.chunk_attention import chunk_attention
-from reclaim.models.mamba import RecurrentLM, _read_json
-from reclaim.models.mamba2 import Mamba2Mixer, SSDLayerShape, check_shapes
+from reclaim.models.mamba import RecurrentLM
+from reclaim.models.mamba2 import (Mamba2Mixer, SSDLayerShape, from_hf_fields, load_hf_ssm, to_hf_fields,
+                                    write_hf_ssm)
 from reclaim.models.norm import RMSNorm
 
 HF_ARCH = "NemotronHForCausalLM"
@@ -132,20 +131,13 @@ class NemotronHConfig:
             if unknown:
                 raise ValueError(f"hybrid_override_pattern has unknown characters {unknown}; known: {list(PATTERN)}")
             d["layers_block_type"] = [PATTERN[c] for c in pattern]
-        names = set(cls.__dataclass_fields__) - {"extra"}
-        extra = {k: v for k, v in d.items()
-                 if k not in names and k not in ("model_type", "architectures", "num_hidden_layers")}
         if d.get("layers_block_type") is None:
             raise ValueError("config.json names no layers: neither layers_block_type nor hybrid_override_pattern")
-        return cls(**{k: v for k, v in d.items() if k in names}, extra=extra)
+        return from_hf_fields(cls, d, drop=("model_type", "architectures", "num_hidden_layers"))
 
     def to_hf(self) -> dict[str, Any]:
         """The HF config.json dict."""
-        d = asdict(self)
-        extra = d.pop("extra")
-        d["time_step_limit"] = list(self.time_step_limit)
-        return {**extra, **d, "num_hidden_layers": self.num_hidden_layers, "model_type": MODEL_TYPE,
-                "architectures": [HF_ARCH]}
+        return to_hf_fields(self, MODEL_TYPE, HF_ARCH, num_hidden_layers=self.num_hidden_layers)
 
 
 class Attention(nn.Module):
@@ -285,28 +277,12 @@ def to_file_name(key: str) -> str:
 
 def load_nemotron_h(path: str | os.PathLike, dtype: torch.dtype | None = None) -> NemotronHForCausalLM:
     """Load an HF Nemotron-H directory (config.json + safetensors)."""
-    from reclaim.models.loading import SafetensorsSource
-
-    path = Path(path)
-    cfg = NemotronHConfig.from_hf(_read_json(path / "config.json"))
-    src = SafetensorsSource(path)
-    state = {to_module_name(k): src[k] for k in src}
-    model = NemotronHForCausalLM(cfg)
-    check_shapes(model, state, str(path), tied=False)
-    # In the asked dtype, else the checkpoint's: loading float64 weights into float32 would round them.
-    model.to(dtype or state["model.embeddings.weight"].dtype).load_state_dict(state, strict=False)
-    return model
+    return load_hf_ssm(path, NemotronHConfig, NemotronHForCausalLM, dtype, to_module_name)
 
 
 def write_nemotron_h(model: NemotronHForCausalLM, path: Path) -> None:
     """Write `model` into the existing directory `path` as an HF directory."""
-    from reclaim.models.loading import write_weights
-
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    conf = {**model.config.to_hf(), "torch_dtype": dtype}
-    (path / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-    write_weights(model, dataclasses.replace(model.config, tie_word_embeddings=False), path, "5GB",
-                  rename=to_file_name)
+    write_hf_ssm(model, path, rename=to_file_name)
 
 
 def save_nemotron_h(model: NemotronHForCausalLM, path: str | os.PathLike) -> Path:

@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import BambaConfig as HFBambaConfig
 from transformers import BambaForCausalLM as HFBamba
+
+from ssm_helpers import grads, hf_pair, rel
 
 from reclaim.models import ssd
 from reclaim.models.bamba import BambaConfig, BambaForCausalLM, load_bamba, save_bamba
 from reclaim.models.ssm import load_ssm
-from reclaim.ssm.adjoint import adjoint_loss_backward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,19 +29,8 @@ CONFIGS = [
 ]
 
 
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def _pair(kw, dtype=torch.float64):
-    torch.manual_seed(0)
-    hf = HFBamba(HFBambaConfig(**kw, use_cache=False)).to(dtype).eval()
-    with torch.no_grad():  # random, non-trivial values everywhere
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    ours = BambaForCausalLM(BambaConfig.from_hf(hf.config.to_dict())).to(dtype)
-    ours.load_state_dict(hf.state_dict())
-    return hf, ours
+    return hf_pair(HFBambaConfig, HFBamba, BambaConfig, BambaForCausalLM, kw, dtype=dtype)
 
 
 @pytest.mark.parametrize("kw", CONFIGS)
@@ -92,24 +81,12 @@ def test_save_loads_in_transformers_and_back(tmp_path):
         assert torch.equal(load_bamba(tmp_path / "m")(ids).logits, ref)
 
 
-def _grads(model, ids, **adjoint):
-    model.zero_grad()
-    if adjoint:
-        loss = adjoint_loss_backward(model, ids, **adjoint)
-    else:
-        logits = model(ids).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        loss = loss.item()
-    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("kw", CONFIGS)
 def test_exact_adjoint_equals_autograd_for_every_parameter(kw, monkeypatch):
     monkeypatch.setattr(ssd, "CPU_MAX_BLOCK", 4)  # several SSD blocks inside a chunk
     _, model = _pair(kw)
     ids = torch.randint(0, kw["vocab_size"], (2, 23))
-    ref_loss, ref = _grads(model, ids)
+    ref_loss, ref = grads(model, ids)
     # a dt clamped by time_step_limit everywhere passes no gradient to its dt_bias: exactly 0 then
     zero = {n for n, g in ref.items() if g.abs().max() == 0}
     assert zero <= {n for n in ref if n.endswith("dt_bias")}
@@ -119,10 +96,10 @@ def test_exact_adjoint_equals_autograd_for_every_parameter(kw, monkeypatch):
         return max(rel(got[n], ref[n]) for n in ref if n not in zero)
 
     for chunk in (7, 10):  # divide neither 23 nor the SSD block
-        loss, got = _grads(model, ids, chunk=chunk)
+        loss, got = grads(model, ids, chunk=chunk)
         assert abs(loss - ref_loss) <= 1e-12 * ref_loss
         assert err(got) <= 1e-9, chunk
-    assert err(_grads(model, ids, chunk=7, window=23)[1]) <= 1e-9
+    assert err(grads(model, ids, chunk=7, window=23)[1]) <= 1e-9
 
 
 def test_bad_configs_are_refused_by_name():

@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import BambaConfig as HFBambaConfig
 from transformers import BambaForCausalLM as HFBamba
 from transformers import Mamba2Config as HFMamba2Config
@@ -16,11 +15,12 @@ from transformers import Mamba2ForCausalLM as HFMamba2
 from transformers import NemotronHConfig as HFNemotronHConfig
 from transformers import NemotronHForCausalLM as HFNemotronH
 
+from ssm_helpers import grads, hf_pair, rel
+
 from reclaim.models import ssd
 from reclaim.models.bamba import BambaConfig, BambaForCausalLM
 from reclaim.models.mamba2 import Mamba2Config, Mamba2ForCausalLM
 from reclaim.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
-from reclaim.ssm.adjoint import adjoint_loss_backward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,30 +82,7 @@ FAMILIES = {
 def _pair(family: str, seed: int):
     draw, hf_config, hf_model, config, model = FAMILIES[family]
     kw = draw(seed)
-    torch.manual_seed(seed)
-    hf = hf_model(hf_config(**kw, use_cache=False)).to(torch.float64).eval()
-    with torch.no_grad():  # random, non-trivial values everywhere
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    ours = model(config.from_hf(hf.config.to_dict())).to(torch.float64)
-    ours.load_state_dict(hf.state_dict())
-    return kw, hf, ours
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def grads(model, ids, **adjoint):
-    model.zero_grad()
-    if adjoint:
-        loss = adjoint_loss_backward(model, ids, **adjoint)
-    else:
-        logits = model(ids).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        loss = loss.item()
-    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (kw, *hf_pair(hf_config, hf_model, config, model, kw, seed))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
