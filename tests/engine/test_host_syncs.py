@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
 from reclaim.engine.speculative import Draft, SpeculativeConfig
+from test_speculative import _AlwaysDraft
 from reclaim.models.kernels.paged import kernel_status
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique2",
@@ -109,20 +110,11 @@ def test_a_speculative_verify_step_syncs_within_the_budget(tiny, temperature):
         assert len(seen) <= (1 if temperature == 0 else 2), seen
 
 
-class _Trees:
+class _Trees(_AlwaysDraft):
     """A tree on every row: two children of the pending token, a grandchild under the first."""
 
     def propose(self, reqs):
         return [Draft([5, 7, 9], None, [-1, -1, 0]) if r.max_tokens >= 3 else Draft([]) for r in reqs]
-
-    def observe(self, *a):
-        pass
-
-    def finish(self, *a):
-        pass
-
-    def release(self, *a):
-        pass
 
 
 def test_a_sampled_tree_verify_step_syncs_at_most_twice(tiny):

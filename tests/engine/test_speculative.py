@@ -249,17 +249,24 @@ def _wrong_tree_accept(logits, draft, params, generator=None, fallback=None):
     return [int(torch.multinomial(p.float(), 1, generator=generator).item())], []
 
 
-@pytest.mark.parametrize("rule", ["right", "wrong"])
-def test_tree_first_token_distribution_matches_target(rule):
+def _tree_case():
+    """Sampling params, target logits [4, V] (the pending token, then each draft token), the
+    target's distribution at the pending token, and a tree of its 1st and 2nd most likely tokens
+    under it and the 4th under the first."""
     from reclaim.engine.sampling import probs
-    from reclaim.engine.rejection import accept_tree
 
     params = SamplingParams(temperature=0.8, top_k=5)
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, V, generator=g) * 1.5
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 1.5
     target = probs(logits[:1], [params])[0]
     ranked = target.argsort(descending=True).tolist()
-    draft = Draft([ranked[0], ranked[1], ranked[3]], None, [-1, -1, 0])  # two root children, one grandchild
+    return params, logits, target, Draft([ranked[0], ranked[1], ranked[3]], None, [-1, -1, 0])
+
+
+@pytest.mark.parametrize("rule", ["right", "wrong"])
+def test_tree_first_token_distribution_matches_target(rule):
+    from reclaim.engine.rejection import accept_tree
+
+    params, logits, target, draft = _tree_case()
     fn = accept_tree if rule == "right" else _wrong_tree_accept
     counts = torch.zeros(V, dtype=torch.float64)
     gen = torch.Generator().manual_seed(1)
@@ -276,12 +283,7 @@ def test_batched_tree_verify_samples_the_target_distribution():
     from reclaim.engine.rejection import verify_batch
     from reclaim.engine.sampling import probs, read
 
-    params = SamplingParams(temperature=0.8, top_k=5)
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, V, generator=g) * 1.5
-    target = probs(logits[:1], [params])[0]
-    ranked = target.argsort(descending=True).tolist()
-    draft = Draft([ranked[0], ranked[1], ranked[3]], None, [-1, -1, 0])  # two root children, one grandchild
+    params, logits, target, draft = _tree_case()
     got = read([verify_batch([logits] * DRAWS, [draft] * DRAWS, [params] * DRAWS, [0] * DRAWS, [None] * DRAWS,
                              torch.Generator().manual_seed(1))])[0]
     first = torch.zeros(V, dtype=torch.float64)
