@@ -45,6 +45,22 @@ def reference(q, k_pool, v_pool, rows: PagedRows, out) -> None:
             out[i] = torch.einsum("hs,shd->hd", w.softmax(-1), v.double()).to(out.dtype)
 
 
+_inductor: list[str] = []
+
+
+def _needs_inductor() -> None:
+    """Skip where torch.compile cannot build C++ on this machine at all (no compiler or headers):
+    probed with a trivial function, so a failure of FlexAttention itself still fails the test."""
+    if not _inductor:
+        try:
+            torch.compile(lambda x: x.sin() + 1)(torch.ones(3))
+            _inductor.append("")
+        except Exception as e:  # noqa: BLE001 - any toolchain error
+            _inductor.append(f"{type(e).__name__}: {str(e)[:200]}")
+    if _inductor[0]:
+        pytest.skip(f"torch.compile builds nothing here ({_inductor[0]})")
+
+
 def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0, layout=None):
     g = torch.Generator().manual_seed(seed)
     pool = KVPool(1, 64, bs, nkv, d, layout=layout)
@@ -98,6 +114,7 @@ def test_paged_attention_equals_the_reference(past, new, window, trees, shape, p
     _poison_unseen(pool, view, tables, past, new, window, finite=path == "flex")
     got = torch.zeros_like(q)
     if path == "flex":  # the pool head-major, as off the CPU: FlexAttention reads it in place
+        _needs_inductor()
         assert not kernel_eligible(q, pool.k[0]) and view.rows.flex is not None
         assert flex_paged.paged_attention_flex(q, pool.k[0], pool.v[0], view.rows, got), flex_paged.failed
     else:
