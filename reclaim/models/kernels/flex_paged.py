@@ -31,7 +31,7 @@ import torch
 
 Q_BLOCK = 16  # queries per FlexAttention query block: one row's, padded (a decode row: 1 and 15 pads)
 
-_compiled: Any = None
+_compiled: dict[str, Any] = {}  # device type -> flex_attention compiled for it
 failed: str | None = None  # why the flex path was given up, once it failed
 
 
@@ -59,15 +59,11 @@ def heads_layout(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tens
 def _flex(device: torch.device) -> Any:
     """flex_attention compiled: shapes dynamic on CUDA (one graph for every step); static on a CPU,
     where inductor's C++ flex template does not compile with dynamic shapes (torch 2.13)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = {}
-    key = device.type
-    if key not in _compiled:
+    if device.type not in _compiled:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled[key] = torch.compile(flex_attention, dynamic=device.type != "cpu")
-    return _compiled[key]
+        _compiled[device.type] = torch.compile(flex_attention, dynamic=device.type != "cpu")
+    return _compiled[device.type]
 
 
 def _block_mask(rows: Any, num_slots: int, bs: int) -> Any:
