@@ -28,10 +28,11 @@ replicated under DDP. What a rank holds (rows, bytes):
 A rank does not hold all of it at once. The plan's total is the largest of four phases:
 rollout (parameters, optimizer, reference model, rollout weights, KV cache; gradients are freed),
 training (everything but with optimizer_offload the moments), the optimizer step (no
-activations, logits or gathered weights), and the weight update into the engine (gradients freed). With enable_sleep_mode the engine sleeps through the last
-two (Engine.sleep(level=2)): its weights and KV pool are freed then, and come back for the weight
-update after the step (when the gradients and activations are gone). param_offload and optimizer_offload (rl/offload.py)
-take the parameters and the moments off the device while rolling out, at the price of moving
+activations, logits or gathered weights), and the weight update into the engine (gradients
+freed). With enable_sleep_mode the engine sleeps through training and the optimizer step
+(Engine.sleep(level=2)): its weights and KV pool are freed then, and come back for the weight
+update (when the gradients and activations are gone). param_offload and optimizer_offload
+(rl/offload.py) take the parameters and the moments off the device while rolling out, at the price of moving
 them out and back each rollout, timed at HOST_BANDWIDTH.
 """
 

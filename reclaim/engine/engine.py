@@ -529,10 +529,12 @@ class Engine:
         with self._step_lock:
             if self.sleeping:
                 raise RuntimeError(f"update_weights() while the engine sleeps (level {self.sleeping}); call wake_up() first")
-            missing = sorted(n for n, p in self.model.named_parameters() if n not in state_dict)
-            if self.weights_missing and missing:
-                raise ValueError(f"the weights were freed by sleep(level=2) and {missing[:5]} were not given; "
-                                 "pass every parameter of model.state_dict()")
+            if self.weights_missing:  # names only: a lazy mapping (FullWeights) gathers on lookup
+                given = set(state_dict.keys())
+                missing = sorted(n for n, _ in self.model.named_parameters() if n not in given)
+                if missing:
+                    raise ValueError(f"the weights were freed by sleep(level=2) and {missing[:5]} were not given; "
+                                     "pass every parameter of model.state_dict()")
             # the TP leader's whole embedding and head (an EAGLE drafter's) take the whole tensors too
             leader = self.draft_target.update if isinstance(self.draft_target, LeaderTarget) else None
             copy_full(self.model, state_dict, also=leader)

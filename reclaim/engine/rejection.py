@@ -221,8 +221,8 @@ def verify_batch(logits: list[torch.Tensor], drafts: list[Draft], params: list[S
     whole batch at once: greedy rows and seeded rows (keyed draws at every node) choose every
     node's token in one op and walk their drafts on the host; sampled chains are accepted or
     rejected with tensor ops (`_chains`); sampled trees run every node's recursive rejection at
-    once (`_trees`) and walk the outcomes on the host. `positions[r]`: the position of the first token row r
-    chooses. The result: per row (tokens to commit, accepted draft path), or the exception that
+    once (`_trees`) and walk the outcomes on the host. `positions[r]`: the position of the first
+    token row r chooses. The result: per row (tokens to commit, accepted draft path), or the exception that
     fails it alone."""
     dev = logits[0].device if logits else torch.device("cpu")
     greedy = [r for r, p in enumerate(params) if p.greedy]
@@ -312,8 +312,8 @@ def _trees(logits: list[torch.Tensor], drafts: list[Draft], params: list[Samplin
     is_child = torch.zeros_like(p).scatter_add_(1, tok, valid.to(p.dtype)) > 0  # (padding adds nothing)
     rest = p.masked_fill(is_child, 0.0)  # p without the children
     has = rest.sum(-1) > 0
-    drawn = draw(torch.where(has[:, None], rest, p) / torch.where(has[:, None], rest, p).sum(-1, keepdim=True),
-                 us[:, width])
+    src = torch.where(has[:, None], rest, p)
+    drawn = draw(src / src.sum(-1, keepdim=True), us[:, width])
     # rounding left no mass outside the children: the last child had it all (as accept_tree)
     last = valid.long().sum(1) - 1
     first = torch.where((first < 0) & ~has & (last >= 0), last, first)

@@ -10,11 +10,10 @@ multiplies by silu(gate) before an RMSNorm over each group's channels. The layer
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
