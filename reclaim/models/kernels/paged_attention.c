@@ -163,6 +163,21 @@ static inline v16 vmax(v16 a, v16 b) {
     return a;
 }
 
+/* The pool's blocks lie anywhere and the hardware's prefetchers stop at each 4 KB page, so each
+   chunk's keys and values are fetched into L2 AHEAD chunks before its scores, one chunk's worth
+   per chunk computed (a steady stream). Measured on SmolLM2's shapes, one thread, EPYC: 16 rows
+   of 150-700 tokens 30.5 -> 27-28.5 ms over 30 layers, one row of 2,000 8.5 -> 7.3-7.5 ms, against
+   the block after next fetched at each block's start (2-8 ahead, or into L1, measured slower). */
+#define AHEAD 4
+
+static inline void prefetch_chunk(const float *k, const float *v, const int32_t *table, long block,
+                                  long head_off, int s, int bs, int D) {
+    const float *kt = k + table[s / bs] * block + head_off + s % bs;
+    const float *vt = v + table[s / bs] * block + head_off + (long)(s % bs) * D;
+    for (int d = 0; d < D; d++) __builtin_prefetch(kt + (long)d * bs, 0, 2);  /* a 16-key line per d */
+    for (int off = 0; off < CHUNK * D; off += 16) __builtin_prefetch(vt + off, 0, 2);
+}
+
 /* One tile: nq query vectors (qv[i], D floats each, head h of query token qtok[i]) of row r
    against its visible keys; writes each query's output (D floats) to dst[i]. The pool is
    [blocks, nkv, bs, D]: one head's keys of a block are contiguous. */
@@ -188,9 +203,12 @@ static inline __attribute__((always_inline)) void tile(
         if (hi[i] > hi_t) hi_t = hi[i];
     }
     const long head = (long)bs * D, block = (long)nkv * head;
+    const int first = lo_t / CHUNK * CHUNK;
+    for (int s = first; s < hi_t && s < first + AHEAD * CHUNK; s += CHUNK)
+        prefetch_chunk(k, v, table, block, h * head, s, bs, D);
     /* chunks of 16 slots aligned within blocks, from the one holding lo_t; lanes outside a
        query's [lo, hi) are masked */
-    for (int s = lo_t / CHUNK * CHUNK; s < hi_t;) {
+    for (int s = first; s < hi_t;) {
         const float *kc[SPAN], *vc[SPAN];
         int s0[SPAN], nc = 0;
         for (; nc < SPAN && s < hi_t; nc++, s += CHUNK) {
@@ -198,18 +216,13 @@ static inline __attribute__((always_inline)) void tile(
             kc[nc] = k + table[b] * block + h * head + c;
             vc[nc] = v + table[b] * block + h * head + (long)c * D;
             s0[nc] = s;
-            if (c == 0 && (b + 2) * bs < hi_t) {  /* the block after next into L2 (measured
-                                                     better than the next one on long rows) */
-                const float *kn = k + table[b + 2] * block + h * head, *vn = v + table[b + 2] * block + h * head;
-                for (long off = 0; off < head; off += 16) {
-                    __builtin_prefetch(kn + off, 0, 2);
-                    __builtin_prefetch(vn + off, 0, 2);
-                }
-            }
         }
         v16 sc[SPAN][QT];
-        for (int ch = 0; ch < nc; ch++)
+        for (int ch = 0; ch < nc; ch++) {
+            if (s0[ch] + AHEAD * CHUNK < hi_t)
+                prefetch_chunk(k, v, table, block, h * head, s0[ch] + AHEAD * CHUNK, bs, D);
             scores(sc[ch], qv, nq, kc[ch], bs, s0[ch], lo, hi, tree, qtok, tree_stride, past, D, scale);
+        }
         float pj[QT][SPAN * CHUNK];
         for (int i = 0; i < nq; i++) {
             v16 vm = sc[0][i];
