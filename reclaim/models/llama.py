@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reclaim.models.cache import AttentionCache, causal_mask, needs_mask
+from reclaim.models.kernels import rownorm
 from reclaim.models.kernels.linear import Linear
 from reclaim.models.llama_config import LlamaConfig
 from reclaim.models.norm import RMSNorm
@@ -47,7 +48,11 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE; x [B, H, T, D], cos/sin [B, 1, T, D]."""
+    """Rotate-half RoPE; x [B, H, T, D], cos/sin [B, 1, T, D] (or the engine's packed rows: x [N, H, D],
+    cos/sin [N, 1, D], one C call for float32 inference on a CPU)."""
+    y = rownorm.rope(x, cos, sin)
+    if y is not None:
+        return y
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin

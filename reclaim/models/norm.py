@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reclaim.models.kernels import rownorm
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 at least and returned in the weight's dtype.
@@ -21,6 +23,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.weight.dtype
+        y = rownorm.rms_norm(x, self.weight, self.eps)  # float32 inference on a CPU: one C call
+        if y is not None:
+            return y
         if x.dtype == dtype == torch.float32:  # one fused op (the same sums, a third less time a call)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.to(torch.promote_types(x.dtype, torch.float32))

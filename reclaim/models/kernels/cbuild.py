@@ -26,8 +26,11 @@ _why: dict[str, str] = {}
 
 
 def _cpu_key(source: Path) -> str:
-    """What the compiled code depends on: the source, the compiler and this CPU's features."""
+    """What the compiled code depends on: the source and the headers beside it, the compiler and
+    this CPU's features."""
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.read_bytes())
     h.update(platform.machine().encode())
     try:
         flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]

@@ -65,7 +65,7 @@ def torch_kernels() -> Iterator[None]:
         _local.off -= 1
 
 
-def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Float32 on a CPU, no gradient wanted, no autocast, outside `torch_kernels()`."""
     return (
         x.device.type == "cpu"
@@ -89,13 +89,13 @@ _ONEDNN = torch.backends.mkldnn.is_available() and os.environ.get("RECLAIM_SMALL
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` would take this product: float32 inference on a CPU over at most
     SMALL_ROWS rows."""
-    return _cpu_inference(x, weight) and _few_rows(x)
+    return cpu_inference(x, weight) and _few_rows(x)
 
 
 def onednn_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` sends this product to oneDNN: float32 inference on a CPU that `small_linear`
     does not take, where torch has oneDNN and RECLAIM_SMALL_LINEAR is not 0."""
-    return _ONEDNN and _cpu_inference(x, weight) and not _few_rows(x)
+    return _ONEDNN and cpu_inference(x, weight) and not _few_rows(x)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,7 +124,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 and (_ONEDNN or _load() is not None)):
             return torch.ops.reclaim.cpu_linear(x, weight, bias)
         return F.linear(x, weight, bias)
-    if _cpu_inference(x, weight):
+    if cpu_inference(x, weight):
         if _few_rows(x):
             return small_linear(x, weight, bias)
         if _ONEDNN:

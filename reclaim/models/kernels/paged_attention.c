@@ -27,12 +27,10 @@
    (row, head, query tile) items (OpenMP; torch's own runtime when loaded with it). */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
+#include "simd.h"
+
 typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
 
 #define CHUNK 16    /* keys per vector of scores: 16 aligned slots of one block */
 #define SPAN 16     /* chunks per online-softmax update (256 keys): the max, exp and sum of an
@@ -40,16 +38,6 @@ typedef float v4 __attribute__((vector_size(16)));
                        several times its multiply-adds */
 #define QT 8        /* query vectors (heads x tokens) per tile */
 #define MAXD 256
-
-static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-static inline float sum16(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 static inline float max16(v16 v) {
     float m = v[0];

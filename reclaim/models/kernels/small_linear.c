@@ -13,34 +13,13 @@
 
    Shapes: x [M, K] with row stride ldx, w [N, K] contiguous, b [N] or NULL, y [M, N] with row
    stride ldy. Threads split the output tiles (OpenMP; torch's own runtime when loaded with it). */
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+#include "simd.h"
 
 /* Weight rows per tile and input rows per pass over it: MR * NR accumulators, NR weight vectors
    and one input vector fit AVX-512's 32 registers. Of (MR, NR) = (4, 4), (4, 6), (5, 4), (6, 4)
    and (8, 3), (8, 3) was fastest for 4-20 rows and as fast for 1-2 (SmolLM2's shapes). */
 #define NR 3
 #define MR 8
-
-static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-
-static inline v16 load_tail(const float *p, long n) {
-    v16 v = {0};
-    memcpy(&v, p, (size_t)n * sizeof(float));
-    return v;
-}
-
-/* A fixed tree of halves (the same for every output, so still batch invariant): a serial sum of
-   16 lanes cost as much as a third of the multiply-adds for K = 576. */
-static inline float sum16(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 /* How far ahead the weights are prefetched, in tiles, and into L2 only (locality 2: prefetcht1).
    Over SmolLM2's weights on this project's EPYC VMs, 1 thread, 1 / 4 / 8 / 16 rows: the next tile
