@@ -62,8 +62,9 @@ class EagleProposer:
         head rows are copied once per version of the target's head (it changes with RL steps)."""
         w = self.head.weight
         if self._head_rows is None or self._head_rows[0] != w._version:
-            rows, ids = draft_head(self.drafter, self.target)
-            self._head_rows = (w._version, rows.contiguous() if ids is not None else rows, ids)
+            with torch.inference_mode(False), torch.no_grad():  # a tensor with a version: the kernel packs it once
+                rows, ids = draft_head(self.drafter, self.target)
+                self._head_rows = (w._version, rows.contiguous() if ids is not None else rows, ids)
         _, rows, ids = self._head_rows
         # In rows of at most SMALL_ROWS: past that the head leaves linear's small-row kernel for
         # torch's, which here took 64 ms for 32 rows of SmolLM2's head against 41 ms in two halves.

@@ -36,6 +36,7 @@ from reclaim.engine.proposers import HYBRID_MODES, make_proposer
 from reclaim.engine.speculative import MODEL_METHODS, Draft, Proposer, DraftRequest, SpeculativeConfig
 from reclaim.engine.spec_policy import SpecPolicy
 from reclaim.engine.tensor_parallel import LeaderTarget, draft_target, refuse_on_tensor_parallel, tensor_parallel
+from reclaim.models.kernels.linear import forget_packed
 from reclaim.models.tensor_parallel import copy_full
 from reclaim.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
 
@@ -557,7 +558,8 @@ class Engine:
             if self.sleeping:
                 raise RuntimeError(f"the engine sleeps already (level {self.sleeping}); call wake_up() first")
             self.scheduler.forget_prefixes()  # their K/V is about to go
-            freed = self.runner.pool.free() + (free_storage(self._weights()) if level == 2 else 0)
+            weights = self._weights() if level == 2 else []  # and the kernel's packed copies of them
+            freed = self.runner.pool.free() + forget_packed(weights) + free_storage(weights)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.sleeping = level

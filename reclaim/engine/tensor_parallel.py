@@ -166,10 +166,11 @@ class LeaderTarget(torch.nn.Module):
 
     def update(self, name: str, full: torch.Tensor) -> None:
         """New whole weights (update_weights' unsharded tensors) for the tensors it holds."""
-        if name == self.NAMES[0]:
-            self.model.embed_tokens.weight.data.copy_(full)
-        elif name == self.NAMES[1] and self.lm_head.weight is not self.model.embed_tokens.weight:
-            self.lm_head.weight.data.copy_(full)
+        with torch.no_grad():  # in place on the parameters, so their version counters move (linear.packed)
+            if name == self.NAMES[0]:
+                self.model.embed_tokens.weight.copy_(full)
+            elif name == self.NAMES[1] and self.lm_head.weight is not self.model.embed_tokens.weight:
+                self.lm_head.weight.copy_(full)
 
 
 def retarget(proposer: Any, target: LeaderTarget) -> None:

@@ -38,11 +38,44 @@ def test_equals_float64_within_rounding_for_every_row_count(k, n, bias):
 def test_a_row_gives_bitwise_the_same_output_alone_or_among_others():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1538, 576, generator=g), torch.randn(1538, generator=g)
-    x = torch.randn(8, 576, generator=g)
+    x = torch.randn(16, 576, generator=g)
     together = kl.small_linear(x, w, b)
-    for m in range(8):
+    for m in range(16):
         assert torch.equal(kl.small_linear(x[m:m + 1], w, b), together[m:m + 1])
     assert torch.equal(kl.small_linear(x[2:7], w, b), together[2:7])
+    assert torch.equal(kl.small_linear(x[5:14], w, b), together[5:14])  # across the 8-row passes
+
+
+@needs_kernel
+def test_the_packed_weights_follow_every_change_of_the_weights():
+    """The kernel reads a packed copy of each weight: an in-place write, a fused AdamW step (which
+    does not move the version counter), a new `.data` and a sleep's forget_packed all reach it."""
+    from reclaim.optim import adamw
+
+    torch.manual_seed(0)
+    lin = kl.Linear(96, 200)
+    x = torch.randn(3, 96)
+
+    def check():
+        with torch.no_grad():
+            _close(lin(x), x, lin.weight.detach(), lin.bias.detach())
+
+    check()
+    assert hasattr(lin.weight, "_reclaim_packed")
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 96))
+    check()
+    opt = adamw(list(lin.parameters()), lr=0.5)  # (gives the weights storage of their own)
+    check()  # packed from that storage
+    lin(x).square().sum().backward()
+    opt.step()
+    check()
+    lin.weight.data = torch.randn(200, 96)
+    check()
+    nbytes = lin.weight._reclaim_packed[1].nbytes
+    assert nbytes == 5 * 96 * 48 * 4  # ceil(200 / 48) panels of 48 columns, zeros past 200
+    assert kl.forget_packed([lin.weight]) == nbytes and not hasattr(lin.weight, "_reclaim_packed")
+    check()
 
 
 @needs_kernel

@@ -2,7 +2,12 @@
 
 `Linear` is an `nn.Linear` (same parameters, same state dict, autograd as before) whose forward
 sends inference over at most `SMALL_ROWS` rows of float32 on a CPU to the C kernel: a decode step,
-a speculative verify row, a drafter step. Float32 inference over more rows on a CPU (a prefill, a
+a speculative verify row, a drafter step. The kernel reads a packed copy of each weight (panels of
+48 output columns, `packed`), made on the weight's first few-row product and made again after the
+weight changes: its storage, its version counter (every in-place op moves it, `copy_` included),
+or any torch optimizer's step over it (a fused AdamW does not move the counter). It doubles the
+memory of the weights a CPU decodes with; `forget_packed` drops it. A write the counter does not
+see (`weight.data.copy_(...)`) must call `forget_packed` itself. Float32 inference over more rows on a CPU (a prefill, a
 batch's verify rows together) runs oneDNN's matmul, about twice MKL's sgemm there with one thread.
 Anything else (training, other dtypes and devices) runs `F.linear` as before.
 
@@ -17,12 +22,14 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from reclaim.models.kernels import cbuild
 
@@ -45,7 +52,8 @@ def _load() -> ctypes.CDLL | None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_long
     lib.small_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
-    lib.small_linear.restype = None
+    lib.pack_weights.argtypes = [p, p, i64, i64, ctypes.c_int]
+    lib.small_linear.restype = lib.pack_weights.restype = None
     _lib = lib
     return lib
 
@@ -78,8 +86,10 @@ def cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _few_rows(x: torch.Tensor) -> bool:
-    return x.numel() <= SMALL_ROWS * x.shape[-1] and _load() is not None
+def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Few enough rows for the kernel, and a weight whose changes can be seen (an inference tensor,
+    made under torch.inference_mode, has no version counter: its packed copy could go stale)."""
+    return x.numel() <= SMALL_ROWS * x.shape[-1] and not weight.is_inference() and _load() is not None
 
 
 # oneDNN where torch has it, unless RECLAIM_SMALL_LINEAR=0 turns reclaim's kernel choice off.
@@ -89,13 +99,49 @@ _ONEDNN = torch.backends.mkldnn.is_available() and os.environ.get("RECLAIM_SMALL
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` would take this product: float32 inference on a CPU over at most
     SMALL_ROWS rows."""
-    return cpu_inference(x, weight) and _few_rows(x)
+    return cpu_inference(x, weight) and _few_rows(x, weight)
 
 
 def onednn_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` sends this product to oneDNN: float32 inference on a CPU that `small_linear`
     does not take, where torch has oneDNN and RECLAIM_SMALL_LINEAR is not 0."""
-    return _ONEDNN and cpu_inference(x, weight) and not _few_rows(x)
+    return _ONEDNN and cpu_inference(x, weight) and not _few_rows(x, weight)
+
+
+PANEL = 48  # output columns per panel of the packed weights (small_linear.c's P)
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] packed for the kernel ([ceil(N / 48), K, 48], zeros past N), cached on the
+    tensor and packed again once its storage or version changed."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    have = getattr(weight, "_reclaim_packed", None)
+    if have is not None and have[0] == key:
+        return have[1]
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    wp = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=torch.float32)
+    _load().pack_weights(w.data_ptr(), wp.data_ptr(), n, k, torch.get_num_threads())
+    weight._reclaim_packed = (key, wp)
+    return wp
+
+
+def forget_packed(weights: Iterable[torch.Tensor]) -> int:
+    """Drop the packed copies of `weights` (the next product packs again); returns the bytes freed."""
+    freed = 0
+    for w in weights:
+        have = w.__dict__.pop("_reclaim_packed", None)
+        freed += 0 if have is None else have[1].nbytes
+    return freed
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: its parameters' packed copies are stale. A fused AdamW (what
+    reclaim's trainers run) writes the weights without moving their version counters."""
+    forget_packed(p for group in optimizer.param_groups for p in group["params"])
+
+
+register_optimizer_step_post_hook(_stepped)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,10 +152,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     # Called ~200 times a decode step: no reshapes, a copy only for inputs that are not dense.
     k, n = x.shape[-1], weight.shape[0]
     x = x if x.is_contiguous() else x.contiguous()
-    w = weight if weight.is_contiguous() else weight.contiguous()
     b = None if bias is None else bias.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.small_linear(x.data_ptr(), k, w.data_ptr(), None if b is None else b.data_ptr(),
+    lib.small_linear(x.data_ptr(), k, packed(weight).data_ptr(), None if b is None else b.data_ptr(),
                      y.data_ptr(), n, x.numel() // k, n, k, torch.get_num_threads())
     return y
 
@@ -125,7 +170,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.ops.reclaim.cpu_linear(x, weight, bias)
         return F.linear(x, weight, bias)
     if cpu_inference(x, weight):
-        if _few_rows(x):
+        if _few_rows(x, weight):
             return small_linear(x, weight, bias)
         if _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -136,7 +181,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear`'s float32 CPU inference as one op for compiled graphs: the few-row kernel,
     oneDNN or F.linear by the row count at run time."""
-    if _few_rows(x):
+    if _few_rows(x, weight):
         return small_linear(x, weight, bias)
     if _ONEDNN:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -11,13 +11,6 @@ typedef float v4 __attribute__((vector_size(16)));
 static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
-/* The first n < 16 floats of p, zeros after: a row's tail. */
-static inline v16 load_tail(const float *p, long n) {
-    v16 v = {0};
-    memcpy(&v, p, (size_t)n * sizeof(float));
-    return v;
-}
-
 /* A fixed tree of halves, the same for every vector: sums stay batch invariant (a serial sum of
    16 lanes cost as much as a third of the multiply-adds of a K = 576 dot product). */
 static inline float sum16(v16 v) {
