@@ -7,9 +7,11 @@ a speculative verify row, a drafter step. The kernel reads a packed copy of each
 weight changes: its storage, its version counter (every in-place op moves it, `copy_` included),
 or any torch optimizer's step over it (a fused AdamW does not move the counter). It doubles the
 memory of the weights a CPU decodes with; `forget_packed` drops it. A write the counter does not
-see (`weight.data.copy_(...)`) must call `forget_packed` itself. Float32 inference over more rows on a CPU (a prefill, a
-batch's verify rows together) runs oneDNN's matmul, about twice MKL's sgemm there with one thread.
-Anything else (training, other dtypes and devices) runs `F.linear` as before.
+see (`weight.data.copy_(...)`) must call `forget_packed` itself.
+
+Float32 inference over more rows on a CPU (a prefill, a batch's verify rows together) runs oneDNN's
+matmul, about twice MKL's sgemm there with one thread. Anything else (training, other dtypes and
+devices) runs `F.linear` as before.
 
 The kernel is compiled on first use (cbuild.py). Without a compiler, on another OS, or with
 `RECLAIM_SMALL_LINEAR=0`, few rows run `F.linear`; `status()` says which and why.
@@ -23,8 +25,8 @@ import ctypes
 import os
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
