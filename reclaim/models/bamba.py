@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reclaim.models.llama import apply_rope
 from reclaim.models.mamba import RecurrentLM
 from reclaim.models.mamba2 import (Mamba2Mixer, SSDLayerShape, from_hf_fields, load_hf_ssm, to_hf_fields,
                                     write_hf_ssm)
@@ -150,11 +151,9 @@ class RotaryAttention(Attention):
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x's first cos.shape[-1] channels; the rest pass through."""
+    """Rotate-half RoPE (Llama's) on x's first cos.shape[-1] channels; the rest pass through."""
     d = cos.shape[-1]
-    rot, rest = x[..., :d], x[..., d:]
-    half = torch.cat([-rot[..., d // 2:], rot[..., :d // 2]], -1)
-    return torch.cat([rot * cos + half * sin, rest], -1)
+    return torch.cat([apply_rope(x[..., :d], cos, sin), x[..., d:]], -1)
 
 
 class SwiGLU(nn.Module):
