@@ -57,9 +57,10 @@ def _fingerprint(files: list[Path], tokenizer: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize_corpus(corpus: str, tokenizer: Any, *, batch_files: int = 64) -> torch.Tensor:
-    """One int32 token stream for the whole corpus, documents joined by EOS; cached on disk."""
-    files = corpus_files(corpus)
+def tokenize_corpus(corpus: str | list[Path], tokenizer: Any, *, batch_files: int = 64) -> torch.Tensor:
+    """One int32 token stream for the whole corpus (a spec, or its `corpus_files` already
+    resolved), documents joined by EOS; cached on disk."""
+    files = corpus_files(corpus) if isinstance(corpus, str) else corpus
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token_id; documents could not be separated")
     path = cache_root() / "corpus" / f"{_fingerprint(files, tokenizer)}.pt"

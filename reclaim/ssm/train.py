@@ -370,7 +370,7 @@ def _memory(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> dic
 
 def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ranks: Ranks,
            device: torch.device) -> list[dict[str, Any]]:
-    from reclaim.data.corpus import tokenize_corpus, window_batch
+    from reclaim.data.corpus import corpus_files, tokenize_corpus, window_batch
     from reclaim.models.loading import DEFAULT_NAMES, default_model_dir
     from reclaim.models.tokenizer import load_tokenizer
     from reclaim.ssm import parallel
@@ -378,13 +378,16 @@ def _train(cfg: SSMTrainConfig, tokens: torch.Tensor | None, progress: bool, ran
     out = Path(cfg.output_dir)
     lead = ranks.rank == 0
     tokenizer = None
+    # A bad --model or corpus fails before the tokenizer loads (seconds of imports).
+    model = build_model(cfg, 0) if cfg.model is not None else None
     if tokens is None:
+        files = corpus_files(cfg.corpus)
         tokenizer = load_tokenizer(default_model_dir() if cfg.tokenizer in DEFAULT_NAMES else cfg.tokenizer)
-        tokens = tokenize_corpus(cfg.corpus, tokenizer)
+        tokens = tokenize_corpus(files, tokenizer)
         vocab = len(tokenizer)
     else:
         vocab = int(tokens.max()) + 1
-    model = build_model(cfg, vocab).to(dtype=getattr(torch, cfg.dtype))
+    model = (model if model is not None else build_model(cfg, vocab)).to(dtype=getattr(torch, cfg.dtype))
     if cfg.model is not None and model.config.vocab_size <= int(tokens.max()):
         raise ValueError(f"model vocab_size {model.config.vocab_size} does not cover token id "
                          f"{int(tokens.max())} of the corpus; use the model's own tokenizer")
