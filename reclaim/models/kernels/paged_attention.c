@@ -248,6 +248,21 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* tile() specialised where head_dim and the tile's query count are common: the loops over them
+   unroll and the score accumulators stay in registers. Each is a function of its own (not inlined
+   into the dispatch): one function holding all of them took gcc 15 s to compile, these 5. */
+#define TILE_FN(NQ, ND) \
+    static __attribute__((noinline)) void tile_##NQ##_##ND( \
+            const float *const *qv, float *const *dst, const int *qtok, int h, const float *k, \
+            const float *v, const int32_t *table, int bs, int nkv, int past, const int32_t *q_pos, \
+            const int32_t *q_hi, const uint8_t *tree, long tree_stride, int window, float scale) { \
+        tile(qv, dst, qtok, NQ, h, k, v, table, bs, nkv, ND, past, q_pos, q_hi, tree, tree_stride, window, \
+             scale); \
+    }
+#define TILE_FNS(ND) TILE_FN(1, ND) TILE_FN(2, ND) TILE_FN(3, ND) TILE_FN(4, ND) TILE_FN(6, ND) TILE_FN(8, ND)
+TILE_FNS(4)  /* head_dim 64 */
+TILE_FNS(8)  /* head_dim 128 */
+
 void paged_attention(float *out, const float *q, const float *k, const float *v,
                      const int32_t *tables, long table_stride, const int32_t *q_start,
                      const int32_t *q_end, const int32_t *past, const int32_t *q_pos, const int32_t *q_hi,
@@ -286,13 +301,13 @@ void paged_attention(float *out, const float *q, const float *k, const float *v,
                     qtok[nq++] = t;
                 }
             const int32_t *table = tables + (long)r * table_stride;
-            /* head_dim and the tile's query count as constants where common, so the loops over
-               them unroll and the score accumulators stay in registers */
 #define TILE(NQ, ND) tile(qv, dst, qtok, NQ, h, k, v, table, bs, nkv, ND, past[r], q_pos, q_hi, tr, \
                           tree_stride, window, scale)
+#define CALL(NQ, ND) tile_##NQ##_##ND(qv, dst, qtok, h, k, v, table, bs, nkv, past[r], q_pos, q_hi, tr, \
+                                      tree_stride, window, scale)
 #define BY_NQ(ND) switch (nq) { \
-                case 1: TILE(1, ND); break; case 2: TILE(2, ND); break; case 3: TILE(3, ND); break; \
-                case 4: TILE(4, ND); break; case 6: TILE(6, ND); break; case 8: TILE(8, ND); break; \
+                case 1: CALL(1, ND); break; case 2: CALL(2, ND); break; case 3: CALL(3, ND); break; \
+                case 4: CALL(4, ND); break; case 6: CALL(6, ND); break; case 8: CALL(8, ND); break; \
                 default: TILE(nq, ND); }
             if (D == 64) { BY_NQ(4) }
             else if (D == 128) { BY_NQ(8) }
