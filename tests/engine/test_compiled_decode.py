@@ -4,7 +4,6 @@ eager with one warning."""
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 from reclaim.engine.engine import Engine
 from reclaim.engine.request import SamplingParams
@@ -46,6 +45,8 @@ def test_one_graph_for_every_bucket_and_the_same_output_as_eager(tiny):
     model = tiny[0]
     eager = Engine(model, num_blocks=128, block_size=16, max_num_seqs=16)
     compiled = Engine(model, num_blocks=128, block_size=16, max_num_seqs=16, compile=True)
+    from torch._dynamo.testing import CompileCounter  # torch._dynamo: seconds of a worker's start if imported at collection
+
     counter = CompileCounter()
     compiled.runner._decode = CompiledDecode(model, torch.device("cpu"), backend=counter)
     for n in (1, 3, 5, 9, 16):  # buckets 2, 4, 8, 16, 16

@@ -3,6 +3,7 @@ reward is its own scorer, and bad names or options are refused with what is allo
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -13,14 +14,24 @@ from reclaim.rl.data import build_dataset
 from reclaim.rl.grpo_config import GRPOConfig
 from reclaim.rl.rewards import accuracy_reward, format_reward, score
 
-rg = pytest.importorskip("reasoning_gym")
-from reasoning_gym.utils import extract_answer as rg_extract_answer  # noqa: E402
+
+if importlib.util.find_spec("reasoning_gym") is None:
+    pytest.skip("reasoning_gym is not installed (the `tasks` extra)", allow_module_level=True)
+
+
+@pytest.fixture
+def rg():
+    """reasoning_gym, imported by the tests that use it, not at collection: its tasks import
+    matplotlib and more, a second of every test worker's start."""
+    import reasoning_gym
+
+    return reasoning_gym
 
 EASY = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+", "-"], "allow_parentheses": False,
         "allow_negation": False}
 
 
-def test_prompts_are_reasoning_gyms_questions_for_the_seed():
+def test_prompts_are_reasoning_gyms_questions_for_the_seed(rg):
     want = [e["question"] for e in rg.create_dataset("leg_counting", seed=3, size=6)]
     assert make_prompts("rg:leg_counting", 6, seed=3) == want
     assert make_prompts("rg:leg_counting", 6, seed=4) != want
@@ -32,7 +43,7 @@ def test_prompts_are_reasoning_gyms_questions_for_the_seed():
     assert [t.family for t in drawn] == ["rg:basic_arithmetic", "rg:chain_sum"] * 3
 
 
-def test_grpo_rows_carry_reasoning_gyms_entries_with_the_configs_options():
+def test_grpo_rows_carry_reasoning_gyms_entries_with_the_configs_options(rg):
     cfg = load_config(GRPOConfig, None, {"task": "rg:basic_arithmetic", "task_config": {"basic_arithmetic": EASY},
                                          "num_prompts": 8, "seed": 7})
     rows = build_dataset(cfg)
@@ -52,7 +63,9 @@ def test_grpo_rows_carry_reasoning_gyms_entries_with_the_configs_options():
     assert cli.task_config == {"chain_sum": {"max_terms": 2}}
 
 
-def test_accuracy_reward_is_reasoning_gyms_score():
+def test_accuracy_reward_is_reasoning_gyms_score(rg):
+    from reasoning_gym.utils import extract_answer as rg_extract_answer
+
     cfg = load_config(GRPOConfig, None, {"task": "rg:basic_arithmetic,chain_sum,leg_counting", "num_prompts": 6,
                                          "task_config": {"basic_arithmetic": EASY}})
     rows = build_dataset(cfg)
