@@ -3,7 +3,8 @@
 1. Adjoint gradients equal autograd's on CUDA (fp32, relative error per parameter).
 2. Engine greedy output equals transformers' generate on CUDA (tiny random Llama, fp32; bf16 reported);
    its attention is FlexAttention over the head-major pool, checked against the gathering torch
-   path on decode, chunk, tree and window rows, and not fallen back from.
+   path on decode, chunk, tree and window rows, and not fallen back from; in bfloat16 with
+   flashinfer installed, FlashInfer's plan over the "pages" pool against the same path.
 3. GRPO's packed log-probs (each prompt once, its completions behind it under a mask) and their
    gradients equal separate rows' on CUDA (fp32; under bf16 autocast reported).
 4. Sampling runs on CUDA (unseeded, seeded, top-k, top-p, min-p; the engine's CUDA generator):
@@ -88,35 +89,66 @@ def check_engine(dev: str, dtype: torch.dtype) -> dict:
             "identical": f"{same}/{len(prompts)}"}
 
 
+def _paged_pool(dev: str, dtype: torch.dtype, layout: str, past: list[int], new: list[int], window, trees,
+                g: torch.Generator):
+    """A one-layer pool (128 blocks of 16, 2 K/V heads of 64) of random K/V in `layout`, and the
+    view of rows past/new under shuffled block tables."""
+    from reclaim.engine.kv_cache import KVPool
+
+    pool = KVPool(1, 128, 16, 2, 64, device=dev, dtype=dtype, layout=layout)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    perm = torch.randperm(128, generator=g).tolist()
+    tables, i = [], 0
+    for p_, n in zip(past, new):
+        need = -(-(p_ + n) // 16)
+        tables.append(perm[i:i + need])
+        i += need
+    return pool, pool.view(tables, past, new, sliding_window=window, trees=trees)
+
+
 def check_flex_attention(dev: str) -> dict:
     """FlexAttention over a head-major pool (the engine's attention off the CPU) against the
     gathering torch path: decode rows, a chunk after a cached prefix, a tree row, a window; and
     that the engine checks above ran it without falling back."""
-    from reclaim.engine.kv_cache import KVPool
     from reclaim.models.kernels import flex_paged
     from reclaim.models.kernels.paged import paged_attention_torch
 
     worst = 0.0
     for window, trees in ((None, None), (8, None), (None, [None, None, [-1, 0, 0, 1], None])):
         g = torch.Generator().manual_seed(0)
-        pool = KVPool(1, 128, 16, 2, 64, device=dev, layout="heads")
-        pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
-        pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
-        past, new = [40, 7, 100, 300], [1, 5, 4, 1]
-        perm = torch.randperm(128, generator=g).tolist()
-        tables, i = [], 0
-        for p_, n in zip(past, new):
-            need = -(-(p_ + n) // 16)
-            tables.append(perm[i:i + need])
-            i += need
-        view = pool.view(tables, past, new, sliding_window=window, trees=trees)
-        q = torch.randn(sum(new), 8, 64, generator=g).to(dev)
+        pool, view = _paged_pool(dev, torch.float32, "heads", [40, 7, 100, 300], [1, 5, 4, 1], window, trees, g)
+        q = torch.randn(view.num_tokens, 8, 64, generator=g).to(dev)
         want, got = torch.zeros_like(q), torch.zeros_like(q)
         paged_attention_torch(q, pool.k[0], pool.v[0], view.rows, want)
         assert flex_paged.paged_attention_flex(q, pool.k[0], pool.v[0], view.rows, got), flex_paged.failed
         worst = max(worst, rel_err(got, want))
     return {"check": "flex_paged_attention_vs_gather", "ok": worst < 1e-4 and flex_paged.failed is None,
             "max_rel_err": worst, "failed": flex_paged.failed}
+
+
+def check_flashinfer_attention(dev: str) -> dict:
+    """FlashInfer's plan over a "pages" pool (the engine's attention on CUDA in bfloat16 where
+    flashinfer is installed) against the gathering torch path over the same pool: decode rows, a
+    chunk after a cached prefix, a fresh prompt, a tree row, a window."""
+    from reclaim.models.kernels import flashinfer_paged
+    from reclaim.models.kernels.paged import paged_attention_torch
+
+    why = flashinfer_paged.why_not(torch.device(dev), torch.bfloat16, 64)
+    if why is not None:
+        return {"check": "flashinfer_paged_attention_vs_gather", "ok": True, "skipped": why}
+    worst = 0.0
+    for window, trees in ((None, None), (8, None), (None, [None, None, [-1, 0, 0, 1], None, None])):
+        g = torch.Generator().manual_seed(0)
+        pool, view = _paged_pool(dev, torch.bfloat16, "pages", [40, 7, 100, 300, 0], [1, 5, 4, 1, 20], window, trees, g)
+        assert view.flashinfer_plan is not None
+        q = torch.randn(view.num_tokens, 8, 64, generator=g).to(dev, torch.bfloat16)
+        k, v = (torch.randn(view.num_tokens, 2, 64, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+        got = view.attend(0, q, k, v)  # writes k, v to their slots, then FlashInfer
+        want = torch.zeros_like(q)
+        paged_attention_torch(q, pool.k[0], pool.v[0], view.rows, want)
+        worst = max(worst, rel_err(got.float(), want.float()))
+    return {"check": "flashinfer_paged_attention_vs_gather", "ok": worst < 2e-2, "max_rel_err": worst}
 
 
 def check_packed_logps(dev: str, bf16: bool = False) -> dict:
@@ -337,6 +369,7 @@ def main() -> int:
     print(json.dumps({"torch": torch.__version__, "device": dev,
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}), flush=True)
     checks = [lambda: check_adjoint(dev), lambda: check_engine(dev, torch.float32), lambda: check_flex_attention(dev),
+              lambda: check_flashinfer_attention(dev),
               lambda: check_packed_logps(dev),
               lambda: check_sampling(dev), lambda: check_speculation(dev), lambda: check_host_syncs(dev),
               lambda: check_compile(dev)]

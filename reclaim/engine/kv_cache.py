@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from reclaim.engine.config import GIB
 from reclaim.models.cache import causal_mask, needs_mask
+from reclaim.models.kernels import flashinfer_paged
 from reclaim.models.kernels.flex_paged import flex_index
 from reclaim.models.kernels.paged import PagedRows, paged_attention
 from reclaim.models.kernels.paged import write as paged_write
@@ -156,25 +157,37 @@ def plan_kv_blocks(
     return min(budget, max_num_seqs * per_seq)
 
 
-LAYOUTS = ("blocks", "heads")
-BACKENDS = ("auto", "flex")
+LAYOUTS = ("blocks", "heads", "pages")
+BACKENDS = ("auto", "flex", "flashinfer")
 
 
 def attention_backend() -> str:
-    """RECLAIM_ATTENTION_BACKEND (after vLLM's VLLM_ATTENTION_BACKEND): auto (on a CPU the C kernel,
-    FlexAttention elsewhere; where neither runs, each row's keys gathered and one SDPA) or flex
-    (FlexAttention on a CPU too)."""
+    """RECLAIM_ATTENTION_BACKEND (after vLLM's VLLM_ATTENTION_BACKEND): auto (on a CPU the C kernel;
+    on CUDA FlashInfer where it takes the cache's dtype and head_dim and is installed, else
+    FlexAttention; where none runs, each row's keys gathered and one SDPA), flex (FlexAttention,
+    on a CPU too) or flashinfer (FlashInfer's pages wherever it can run, else the gathering path)."""
     name = os.environ.get("RECLAIM_ATTENTION_BACKEND", "auto").lower()
     if name not in BACKENDS:
         raise ValueError(f"RECLAIM_ATTENTION_BACKEND={name!r}; allowed: {list(BACKENDS)}")
+    if name == "flashinfer" and not flashinfer_paged.installed():
+        raise ValueError("RECLAIM_ATTENTION_BACKEND=flashinfer, but flashinfer is not installed "
+                         "(pip install flashinfer-python); or leave it to auto")
     return name
 
 
-def attention_layout(device: torch.device) -> str:
+def attention_layout(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
     """The pool layout the attention backend reads in place: "blocks" for the C kernel (and the
-    torch path), "heads" for FlexAttention (auto: off the CPU)."""
+    torch path), "heads" for FlexAttention, "pages" for FlashInfer (auto: on CUDA where it can
+    take a cache of `dtype` and `head_dim`)."""
     backend = attention_backend()
-    return "heads" if backend == "flex" or (backend == "auto" and device.type != "cpu") else "blocks"
+    if backend == "flashinfer":
+        return "pages"
+    if backend == "flex":
+        return "heads"
+    if device.type == "cpu":
+        return "blocks"
+    usable = dtype is not None and head_dim is not None and flashinfer_paged.why_not(device, dtype, head_dim) is None
+    return "pages" if usable else "heads"
 
 
 def free_storage(tensors: Iterable[torch.Tensor]) -> int:
@@ -217,13 +230,16 @@ class KVPool:
         # One block past num_blocks, never handed out: where padding tokens' K/V go.
         self.spare = num_blocks
         shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
-        self.layout = attention_layout(torch.device(device)) if layout is None else layout
+        self.layout = attention_layout(torch.device(device), dtype, head_dim) if layout is None else layout
         if self.layout not in LAYOUTS:
             raise ValueError(f"KV pool layout={self.layout!r}; allowed: {list(LAYOUTS)}")
         # Zeros, not empty: a kernel never uses unwritten slots, but garbage could be NaN in a dump.
         if self.layout == "blocks":  # the C kernel's: one head's keys of a block contiguous, transposed
             self.k = [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3).contiguous()
                       for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        elif self.layout == "pages":  # FlashInfer's HND pages: keys stored as values are, seen transposed
+            self.k = [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         else:  # FlexAttention's: stored [Hkv, blocks, bs, D], seen through views of the shapes above
             heads = (num_kv_heads, num_blocks + 1, block_size, head_dim)
@@ -359,8 +375,14 @@ class PagedView:
                 pos += [p + d for d in depth]
                 hi += [p + n] * n
                 tree_rows[r] = seen
-        # Fresh prompts attend to their own K/V; the rest read the pool.
-        self.fresh = [r for r in range(len(new)) if past[r] == 0 and new[r] > 1 and r not in tree_rows]
+        # FlashInfer (a "pages" pool on CUDA) takes every row from the pool in one planned call.
+        self.flashinfer_plan, self._flashinfer = None, None
+        if (pool.layout == "pages" and pad_to is None
+                and flashinfer_paged.why_not(device, pool.dtype, pool.v[0].shape[-1]) is None):
+            self.flashinfer_plan = flashinfer_paged.plan_rows(tables, past, new, bs, tree_rows, pos, w)
+        # Otherwise fresh prompts attend to their own K/V; the rest read the pool.
+        self.fresh = [] if self.flashinfer_plan is not None else [
+            r for r in range(len(new)) if past[r] == 0 and new[r] > 1 and r not in tree_rows]
         fresh = set(self.fresh)
         paged = [r for r in range(len(new)) if r not in fresh]
         self.spans = list(zip(starts[:-1], starts[1:]))
@@ -453,6 +475,12 @@ class PagedView:
                                                      r.q_pos, r.q_hi, r.tree, r.tree_row, r.window or 0,
                                                      r.max_new, r.first_key, r.max_keys)
         self.pool.write(layer, self.slot_mapping, k, v)
+        if self.flashinfer_plan is not None:
+            if self._flashinfer is None:  # planned at the first layer, once q's heads are known
+                self._flashinfer = flashinfer_paged.Attention(
+                    self.flashinfer_plan, num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+                    block_size=self.pool.block_size, dtype=self.pool.dtype, device=q.device)
+            return self._flashinfer.run(q, self.pool.k[layer], self.pool.v[layer])
         out = torch.empty_like(q)
         w, gqa = self.sliding_window, k.shape[1] != q.shape[1]
         for r in self.fresh:

@@ -41,5 +41,5 @@ def test_flex_engine_equals_the_kernel_engine_and_transformers(monkeypatch):
 
 def test_an_unknown_backend_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("RECLAIM_ATTENTION_BACKEND", "flash")
-    with pytest.raises(ValueError, match=r"RECLAIM_ATTENTION_BACKEND='flash'; allowed: \['auto', 'flex'\]"):
+    with pytest.raises(ValueError, match=r"RECLAIM_ATTENTION_BACKEND='flash'; allowed: \['auto', 'flex', 'flashinfer'\]"):
         _run(make_pair(seed=3)[0])

@@ -61,17 +61,23 @@ def _needs_inductor() -> None:
         pytest.skip(f"torch.compile builds nothing here ({_inductor[0]})")
 
 
-def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0, layout=None):
-    g = torch.Generator().manual_seed(seed)
-    pool = KVPool(1, 64, bs, nkv, d, layout=layout)
-    pool.k[0].normal_(generator=g)
-    pool.v[0].normal_(generator=g)
-    perm = torch.randperm(64, generator=g).tolist()
+def shuffled_tables(past: list[int], new: list[int], bs: int, g: torch.Generator, blocks: int = 64) -> list[list[int]]:
+    """Block tables for rows of past + new tokens, drawn from the pool's blocks in random order."""
+    perm = torch.randperm(blocks, generator=g).tolist()
     tables, i = [], 0
     for p, n in zip(past, new):
         need = -(-(p + n) // bs)
         tables.append(perm[i:i + need])
         i += need
+    return tables
+
+
+def _setup(past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0, layout=None):
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(1, 64, bs, nkv, d, layout=layout)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
+    tables = shuffled_tables(past, new, bs, g)
     view = pool.view(tables, past, new, sliding_window=window, trees=trees)
     view.fresh = []  # every row through the paged path, fresh prompts too
     q = torch.randn(sum(new), nh, d, generator=g)
