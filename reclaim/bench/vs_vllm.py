@@ -11,7 +11,9 @@ EOS ignored, one thread each (vLLM's OpenMP threads bound to one core). Workload
 - sharegpt: `requests` ShareGPT-shaped requests (synthetic lengths, `scale`; outputs capped at
   `max_output`), all queued at once, `slots` running at a time;
 - context: decode speed at `context_lengths` (a prompt alone): the time of max_tokens + 1 tokens
-  less that of 1 token from another prompt of the same length, so the prefill cancels.
+  less that of 1 token from another prompt of the same length, so the prefill cancels;
+  `context_repeats` prompts of each (each alone), whose times add up (one 5-second decode moved
+  by 10-20% between runs on a shared machine).
 
 vLLM keeps its defaults otherwise (prefix caching on, as its users run it).
 
@@ -60,16 +62,18 @@ class VllmBenchSpec:
     scale: float = 0.88  # ShareGPT medians x 0.88: prompts up to ~900 tokens
     max_output: int = 400
     context_lengths: list[int] = field(default_factory=lambda: [100, 2000])
+    context_repeats: int = 3
     seed: int = 0
     max_model_len: int = 2304  # room for a 2,000-token context and its 129 tokens
     threads: int = 1
     out_dir: str = "benchmarks/engine-vllm"
 
     def __post_init__(self) -> None:
-        sizes = (self.batch1_prompts, self.max_tokens, self.long_prompts, self.requests, self.slots, self.max_output)
+        sizes = (self.batch1_prompts, self.max_tokens, self.long_prompts, self.requests, self.slots, self.max_output,
+                 self.context_repeats)
         if min(sizes) < 1 or self.scale <= 0 or self.threads < 1:
-            raise ValueError(f"prompt counts, tokens, requests, slots and threads must be >= 1 and scale > 0; "
-                             f"got {sizes}, scale {self.scale}, threads {self.threads}")
+            raise ValueError(f"prompt counts, tokens, requests, slots, context repeats and threads must be >= 1 "
+                             f"and scale > 0; got {sizes}, scale {self.scale}, threads {self.threads}")
         too_long = [c for c in [self.long_context, *self.context_lengths]
                     if c < 1 or c + self.max_tokens + 1 > self.max_model_len]
         if too_long:
@@ -104,10 +108,10 @@ def workloads(tokenizer: Any, spec: VllmBenchSpec) -> list[dict[str, Any]]:
     reqs = synthetic_requests(tokenizer, spec.requests, seed=spec.seed, scale=spec.scale, max_total=spec.max_model_len)
     out.append({"name": "sharegpt", "alone": False, "prompts": [p for p, _ in reqs],
                 "max_tokens": [min(n, spec.max_output) for _, n in reqs]})
-    for c in spec.context_lengths:  # two prompts of the same length: no cached prefix carries over
+    for c in spec.context_lengths:  # prompts of the same length, all different: no cached prefix carries over
         for n in (1, spec.max_tokens + 1):
-            prompt = chat_prompt(tokenizer, c, rng)[:c]
-            out.append({"name": f"context{c}-{n}", "alone": True, "prompts": [prompt], "max_tokens": [n]})
+            prompts = [chat_prompt(tokenizer, c, rng)[:c] for _ in range(spec.context_repeats)]
+            out.append({"name": f"context{c}-{n}", "alone": True, "prompts": prompts, "max_tokens": [n] * len(prompts)})
     return out
 
 
@@ -231,7 +235,7 @@ def measure(spec: VllmBenchSpec) -> dict[str, Any]:
     decode = {}
     for c in spec.context_lengths:
         one, full = f"context{c}-1", f"context{c}-{spec.max_tokens + 1}"
-        decode[str(c)] = {side: spec.max_tokens / (res[full]["seconds"] - res[one]["seconds"])
+        decode[str(c)] = {side: spec.context_repeats * spec.max_tokens / (res[full]["seconds"] - res[one]["seconds"])
                           for side, res in (("reclaim", ours), ("vllm", theirs["workloads"]))}
     lo, hi = (str(c) for c in (min(spec.context_lengths), max(spec.context_lengths)))
     return {"benchmark": "engine-vllm", "spec": {k: v for k, v in asdict(spec).items() if k != "vllm_python"},
