@@ -124,6 +124,16 @@ def test_the_plan_gives_the_reference_attention(emulated, past, new, window, tre
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("past,new,window,trees", CASES)
+def test_a_pages_pool_where_flashinfer_cannot_run_attends_through_the_gathering_path(past, new, window, trees):
+    """RECLAIM_ATTENTION_BACKEND=flashinfer on a CPU (or a float32 cache on CUDA): no plan, fresh
+    prompts over their own K/V and the rest gathered from the pages, as from the default pool."""
+    _, view, q, _, k, v = _pool("pages", past, new, window, trees)
+    _, plain, *_ = _pool("blocks", past, new, window, trees)
+    assert view.flashinfer_plan is None
+    torch.testing.assert_close(view.attend(0, q, k, v), plain.attend(0, q, k, v), atol=1e-12, rtol=1e-12)
+
+
 def test_one_plan_serves_every_layer_and_a_forward_between_plans_again(emulated):
     pool, view, q, _, k, v = _pool("pages", [20, 3], [1, 1], None, None)
     other_pool, other, q2, _, k2, v2 = _pool("pages", [40], [2], None, None, seed=1)
