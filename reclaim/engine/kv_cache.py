@@ -247,6 +247,8 @@ class KVPool:
             self.v = [torch.zeros(heads, dtype=dtype, device=device).permute(1, 0, 2, 3) for _ in range(num_layers)]
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
+        # Whether FlashInfer reads this pool (decided once: a view asks every forward).
+        self.flashinfer = self.layout == "pages" and flashinfer_paged.why_not(self.device, dtype, head_dim) is None
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned host, device buffers
 
     def free(self) -> int:
@@ -377,8 +379,7 @@ class PagedView:
                 tree_rows[r] = seen
         # FlashInfer (a "pages" pool on CUDA) takes every row from the pool in one planned call.
         self.flashinfer_plan, self._flashinfer = None, None
-        if (pool.layout == "pages" and pad_to is None
-                and flashinfer_paged.why_not(device, pool.dtype, pool.v[0].shape[-1]) is None):
+        if pool.flashinfer and pad_to is None:
             self.flashinfer_plan = flashinfer_paged.plan_rows(tables, past, new, bs, tree_rows, pos, w)
         # Otherwise fresh prompts attend to their own K/V; the rest read the pool.
         self.fresh = [] if self.flashinfer_plan is not None else [

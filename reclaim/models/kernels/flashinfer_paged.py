@@ -21,6 +21,7 @@ compares the real kernel with the gathering torch path on the first lent GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace, one per device (its
 _wrappers: dict[str, list[Any]] = {}  # device -> [BatchPrefillWithPagedKVCacheWrapper, the Attention planned on it]
 
 
+@functools.cache
 def installed() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
