@@ -357,15 +357,18 @@ def save_model(
 
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a Llama GGUF file (reclaim/models/gguf.py) and write it to `out` as an HF dir;
-    the tokenizer comes through transformers' GGUF tokenizer loader."""
+    the tokenizer comes through transformers' GGUF tokenizer loader. The fast tokenizer class is
+    named, not AutoTokenizer: that one first reads the whole file's metadata again to pick a class
+    from the model's config (4 s of a 5 s first conversion), and picks this class for a Llama GGUF
+    (tests/models/test_default_model.py compares the two)."""
     import numpy as np
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from reclaim.models.gguf import read_llama
 
     print(f"reclaim: converting {gguf.name} to safetensors in {out.parent} (once; a few seconds)",
           file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     raw, tensors = read_llama(gguf)
     weights = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
     model = build_model(LlamaConfig.from_hf(raw), weights, dtype=torch.float32, source=str(gguf))

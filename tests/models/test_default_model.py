@@ -80,11 +80,16 @@ def test_tokenizer_files_survive_save_and_load(both, tiny_hf, tmp_path):
 
 
 @pytest.mark.slow
-def test_cached_tokenizer_equals_the_one_transformers_builds_from_the_gguf(default_model_dir):
+def test_cached_tokenizer_equals_the_one_transformers_builds_from_the_gguf(default_model_dir, tmp_path):
+    """The conversion names the fast tokenizer class (convert_gguf); AutoTokenizer is the oracle:
+    the same files written, the same chat text and ids."""
     from transformers import AutoTokenizer
 
     gguf = default_gguf()
     ref = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    ref.save_pretrained(tmp_path)
+    for name in sorted(p.name for p in tmp_path.iterdir()):
+        assert (tmp_path / name).read_bytes() == (default_model_dir / name).read_bytes(), name
     ours = load_tokenizer(default_model_dir)
     chat = [{"role": "user", "content": "Écris un haïku sur les tokens 🙂\n\tcode: x += 1"}]
     assert ours.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)
