@@ -7,8 +7,6 @@ import json
 
 import pytest
 import torch
-from transformers import BambaConfig as HFBambaConfig
-from transformers import BambaForCausalLM as HFBamba
 
 from ssm_helpers import grads, hf_pair, rel
 
@@ -29,8 +27,17 @@ CONFIGS = [
 ]
 
 
+def _hf():
+    """transformers' Bamba classes, imported by the tests that use them: importing its modeling
+    module pulls in sympy and botocore (2 s, 500 modules), in each test worker's collection."""
+    from transformers import BambaConfig as HFBambaConfig
+    from transformers import BambaForCausalLM as HFBamba
+
+    return HFBambaConfig, HFBamba
+
+
 def _pair(kw, dtype=torch.float64):
-    return hf_pair(HFBambaConfig, HFBamba, BambaConfig, BambaForCausalLM, kw, dtype=dtype)
+    return hf_pair(*_hf(), BambaConfig, BambaForCausalLM, kw, dtype=dtype)
 
 
 @pytest.mark.parametrize("kw", CONFIGS)
@@ -68,7 +75,7 @@ def test_save_loads_in_transformers_and_back(tmp_path):
     save_bamba(ours, tmp_path / "m")
     conf = json.loads((tmp_path / "m" / "config.json").read_text())
     assert conf["architectures"] == ["BambaForCausalLM"] and conf["attn_layer_indices"] == [0, 3]
-    theirs = HFBamba.from_pretrained(tmp_path / "m", dtype=torch.float64, local_files_only=True).eval()
+    theirs = _hf()[1].from_pretrained(tmp_path / "m", dtype=torch.float64, local_files_only=True).eval()
     ids = torch.randint(0, 37, (1, 19))
     with torch.no_grad():
         ref = ours(ids).logits
