@@ -25,8 +25,10 @@ from reclaim.models.norm import RMSNorm
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """Inverse frequencies, with the llama3 or linear scaling of `rope_scaling` applied."""
     d = cfg.head_dim
-    # float32 as in transformers (checkpoints were trained with it); float64 drifts ~1e-4 in the logits
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    # float32 as in transformers (checkpoints were trained with it); float64 drifts ~1e-4 in the logits.
+    # On the CPU also inside a meta-device construction (loading.py rebuilds it there): on meta the
+    # pow runs torch's Python decompositions, whose first call imports torch._dynamo (1.4 s).
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     s = cfg.rope_scaling or {}
     kind = s.get("rope_type", "default")
     if kind == "default":
@@ -126,10 +128,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without the random init of a meta weight (see kernels/linear.py's Linear)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -22,11 +22,19 @@ def has_tokenizer(path: os.PathLike | str) -> bool:
     return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
 
 
+# tokenizer_config.json's class names of transformers' generic fast tokenizer (a tokenizer.json
+# and nothing model-specific): load_tokenizer builds it directly.
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str | os.PathLike) -> Any:
     """transformers' AutoTokenizer (with its chat template) from a local directory, offline.
 
     The directory needs tokenizer files only (a model's, or a tokenizer saved on its own); for the
-    bundled default model's pass `reclaim.models.loading.default_model_dir()`.
+    bundled default model's pass `reclaim.models.loading.default_model_dir()`. Where
+    tokenizer_config.json names the generic fast class (GENERIC_CLASSES, the default model's),
+    that class is built directly: AutoTokenizer would first load the model's config class to
+    choose one, importing torch.distributed.tensor and more (1.1 s of every start).
     """
     from pathlib import Path
 
@@ -39,9 +47,23 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
                                 "directory; pass a local HF model or tokenizer directory")
     if not has_tokenizer(path):
         raise FileNotFoundError(f"model directory {str(path)!r} has no tokenizer files {list(TOKENIZER_FILES)}")
+    if (path / "tokenizer.json").is_file() and _config_class(path) in GENERIC_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _config_class(path: Any) -> str | None:
+    """The tokenizer class tokenizer_config.json names, if it names one."""
+    import json
+
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,

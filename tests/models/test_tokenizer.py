@@ -141,3 +141,27 @@ def test_load_tokenizer_takes_a_directory_and_says_how_to_get_the_default(name, 
         load_tokenizer(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def test_a_generic_fast_tokenizer_loads_as_autotokenizer_loads_it(default_model_dir, llama3_tokenizer, tmp_path):
+    """load_tokenizer builds the generic fast class directly where tokenizer_config.json names it
+    (the default model's); AutoTokenizer is the oracle: the same class, files and ids. A
+    model-specific class still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from reclaim.models.tokenizer import GENERIC_CLASSES, load_tokenizer
+
+    llama3_tokenizer.save_pretrained(tmp_path / "llama3")
+    for path in (default_model_dir, tmp_path / "llama3"):
+        ours, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True)
+        assert type(ours) is type(ref) and ref.init_kwargs.get("tokenizer_class", type(ref).__name__) in GENERIC_CLASSES
+        ours.save_pretrained(tmp_path / "ours")
+        ref.save_pretrained(tmp_path / "ref")
+        for f in sorted(p.name for p in (tmp_path / "ref").iterdir()):
+            assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), (path, f)
+        assert encode_chat(ours, CONVERSATION) == encode_chat(ref, CONVERSATION)
+    (tmp_path / "gpt2").mkdir()
+    for f in ("tokenizer.json", "chat_template.jinja"):
+        (tmp_path / "gpt2" / f).write_bytes((default_model_dir / f).read_bytes())
+    (tmp_path / "gpt2" / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    assert type(load_tokenizer(tmp_path / "gpt2")) is type(AutoTokenizer.from_pretrained(tmp_path / "gpt2"))

@@ -200,3 +200,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def reset_parameters(self) -> None:
+        """No random init of a meta weight (a shape a checkpoint fills, models/loading.py): there
+        init runs torch's Python decompositions, whose first call imports torch._dynamo (1.4 s of
+        every `reclaim generate` and server start)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
