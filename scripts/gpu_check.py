@@ -370,6 +370,8 @@ def check_decode_speed(dev: str) -> dict:
             if dev == "cuda":
                 torch.cuda.synchronize()
             out[f"{'compiled' if compiled else 'eager'}_batch{batch}_tokens_per_s"] = 128 * batch / (time.perf_counter() - t)
+        pool = eng.runner.pool  # which attention ran: FlashInfer's pages, or the pool's layout through the other paths
+        out[f"{'compiled' if compiled else 'eager'}_attention"] = "flashinfer" if pool.flashinfer else pool.layout
     return {"check": "decode_speed_smollm2", "ok": True, **out}
 
 

@@ -477,11 +477,15 @@ class PagedView:
                                                      r.max_new, r.first_key, r.max_keys)
         self.pool.write(layer, self.slot_mapping, k, v)
         if self.flashinfer_plan is not None:
-            if self._flashinfer is None:  # planned at the first layer, once q's heads are known
-                self._flashinfer = flashinfer_paged.Attention(
-                    self.flashinfer_plan, num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-                    block_size=self.pool.block_size, dtype=self.pool.dtype, device=q.device)
-            return self._flashinfer.run(q, self.pool.k[layer], self.pool.v[layer])
+            try:
+                if self._flashinfer is None:  # planned at the first layer, once q's heads are known
+                    self._flashinfer = flashinfer_paged.Attention(
+                        self.flashinfer_plan, num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+                        block_size=self.pool.block_size, dtype=self.pool.dtype, device=q.device)
+                return self._flashinfer.run(q, self.pool.k[layer], self.pool.v[layer])
+            except Exception as e:  # noqa: BLE001 - its build or kernel failed: gather from the same pages
+                flashinfer_paged.failed(e)
+                self.flashinfer_plan, self.pool.flashinfer = None, False  # self.rows holds every row
         out = torch.empty_like(q)
         w, gqa = self.sliding_window, k.shape[1] != q.shape[1]
         for r in self.fresh:

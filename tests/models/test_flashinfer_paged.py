@@ -79,6 +79,9 @@ class _Wrapper:
         return out
 
 
+WHY_NOT = flashinfer_paged.why_not  # the module's own, which `emulated` replaces
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """FlashInfer emulated and taken on this CPU (any dtype): the plan runs as it would on CUDA."""
@@ -86,6 +89,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(flashinfer_paged, "installed", lambda: True)
     monkeypatch.setattr(flashinfer_paged, "why_not", lambda device, dtype, head_dim: None)
     monkeypatch.setattr(flashinfer_paged, "_wrappers", {})
+    monkeypatch.setattr(flashinfer_paged, "_failed", [])
 
 
 def _pool(layout, past, new, window, trees, *, nkv=3, nh=9, d=64, bs=16, seed=0):
@@ -205,3 +209,41 @@ def test_an_engine_on_flashinfers_pages_decodes_as_the_default_one(emulated, mon
     assert engine.runner.pool.layout == "pages" and plain.runner.pool.layout == "blocks"
     assert flashinfer_paged._wrappers["cpu"][0].planned > 0
     assert got == want
+
+
+def test_a_flashinfer_that_fails_warns_once_and_the_engine_gathers_from_the_same_pages(emulated, monkeypatch,
+                                                                                      one_thread):
+    """FlashInfer raising at its first run (a JIT build that fails, say): one warning that says
+    why, the same greedy tokens as the default engine through the gathering path, and no pool of
+    the process asks it again (why_not names the failure)."""
+    import warnings
+
+    from reclaim.engine.engine import Engine
+    from reclaim.engine.request import SamplingParams
+    from reclaim.models.llama import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, eos_token_id=1)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    prompts, params = [[1, 5, 9, 2, 7] * 3, [3, 3, 8]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in Engine(model, num_blocks=64, block_size=16).generate(prompts, params)]
+
+    def broken(self, q, kv):
+        raise RuntimeError("ninja: build stopped: subcommand failed")
+
+    monkeypatch.setattr(_Wrapper, "run", broken)
+    monkeypatch.setenv("RECLAIM_ATTENTION_BACKEND", "flashinfer")
+    engine = Engine(model, num_blocks=64, block_size=16)
+    assert engine.runner.pool.flashinfer
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == want and not engine.runner.pool.flashinfer
+    said = [str(w.message) for w in seen if "FlashInfer" in str(w.message)]
+    assert len(said) == 1 and "ninja: build stopped" in said[0]
+    assert "FlashInfer failed in this process (RuntimeError: ninja" in WHY_NOT(torch.device("cuda"), torch.bfloat16, 64)

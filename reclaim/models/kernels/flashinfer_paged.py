@@ -34,11 +34,24 @@ HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace, one per device (its examples' size)
 
 _wrappers: dict[str, list[Any]] = {}  # device -> [BatchPrefillWithPagedKVCacheWrapper, the Attention planned on it]
+_failed: list[str] = []  # why FlashInfer failed in this process, once it has (see `failed`)
 
 
 @functools.cache
 def installed() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
+
+
+def failed(error: BaseException) -> None:
+    """FlashInfer raised here (its first-use JIT build, a kernel it has no build of): one warning
+    that says why, and no pool of this process reads through it again (`why_not` says so); the
+    view that met it attends through the gathering path, which reads the same pages."""
+    import warnings
+
+    if not _failed:
+        _failed.append(f"{type(error).__name__}: {error}")
+        warnings.warn(f"reclaim: FlashInfer paged attention failed, gathering K/V instead ({_failed[0]})",
+                      RuntimeWarning, stacklevel=3)
 
 
 def why_not(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -52,6 +65,8 @@ def why_not(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | No
         return f"FlashInfer's prebuilt head_dim are {list(HEAD_DIMS)}; the model's is {head_dim}"
     if not installed():
         return "flashinfer is not installed (pip install flashinfer-python)"
+    if _failed:
+        return f"FlashInfer failed in this process ({_failed[0]})"
     return None
 
 
