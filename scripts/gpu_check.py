@@ -158,6 +158,9 @@ def check_flashinfer_attention(dev: str) -> dict:
         q = torch.randn(view.num_tokens, 8, 64, generator=g).to(dev, torch.bfloat16)
         k, v = (torch.randn(view.num_tokens, 2, 64, generator=g).to(dev, torch.bfloat16) for _ in range(2))
         got = view.attend(0, q, k, v)  # writes k, v to their slots, then FlashInfer
+        if view.flashinfer_plan is None:  # it raised, and the view gathered instead (kv_cache.attend)
+            return {"check": "flashinfer_paged_attention_vs_gather", "ok": False,
+                    "failed": flashinfer_paged.why_not(torch.device(dev), torch.bfloat16, 64)}
         want = torch.zeros_like(q)
         paged_attention_torch(q, pool.k[0], pool.v[0], view.rows, want)
         worst = max(worst, rel_err(got.float(), want.float()))
