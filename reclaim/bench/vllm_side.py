@@ -5,14 +5,15 @@ build pins its torch), reads a job from the JSON file named by argv[1] and write
 argv[2]:
 
     job: {"model": dir, "dtype": "float32", "max_model_len": int, "max_num_seqs": int,
-          "seed": int, "workloads": [{"name": str, "alone": bool,
+          "seed": int, "workloads": [{"name": str, "alone": bool, "decode_timed": bool (optional),
           "prompts": [[token ids]], "max_tokens": [int]}]}
     result: {"vllm_version": str, "workloads": {name: {"seconds": float,
-             "outputs": [[token ids]]}}}
+             "outputs": [[token ids]], "decode_seconds": [float] (decode_timed only)}}}
 
 Greedy, EOS ignored, every request asks for exactly its max_tokens. "alone": each prompt its
 own generate call, one after another (batch 1); otherwise all prompts in one call, the engine
-batching up to max_num_seqs at a time. One warm-up call first, untimed.
+batching up to max_num_seqs at a time. "decode_timed": each prompt alone through the engine's
+step loop, timed from its first token to its last. One warm-up call first, untimed.
 """
 
 import json
@@ -33,16 +34,32 @@ def main(job_path: str, out_path: str) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def decode_timed(i, prompt, n):
+        engine = llm.llm_engine
+        rid = f"decode-timed-{i}"
+        engine.add_request(rid, {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        first = None
+        while True:
+            for o in engine.step():
+                if o.request_id == rid and first is None and o.outputs[0].token_ids:
+                    first = time.perf_counter()
+                if o.request_id == rid and o.finished:
+                    return list(o.outputs[0].token_ids), time.perf_counter() - first
+
     first = job["workloads"][0]["prompts"][0]
     run([first, first], [4, 4])  # warm-up: first-call allocations, kernel selection
     result = {}
     for w in job["workloads"]:
         t = time.perf_counter()
-        if w["alone"]:
-            outputs = [run([p], [n])[0] for p, n in zip(w["prompts"], w["max_tokens"])]
+        if w.get("decode_timed"):
+            timed = [decode_timed(i, p, n) for i, (p, n) in enumerate(zip(w["prompts"], w["max_tokens"]))]
+            result[w["name"]] = {"outputs": [o for o, _ in timed], "decode_seconds": [s for _, s in timed]}
+        elif w["alone"]:
+            result[w["name"]] = {"outputs": [run([p], [n])[0] for p, n in zip(w["prompts"], w["max_tokens"])]}
         else:
-            outputs = run(w["prompts"], w["max_tokens"])
-        result[w["name"]] = {"seconds": time.perf_counter() - t, "outputs": outputs}
+            result[w["name"]] = {"outputs": run(w["prompts"], w["max_tokens"])}
+        result[w["name"]]["seconds"] = time.perf_counter() - t
         print(f"vllm {w['name']}: {result[w['name']]['seconds']:.2f} s", file=sys.stderr, flush=True)
     import vllm
 

@@ -10,10 +10,10 @@ EOS ignored, one thread each (vLLM's OpenMP threads bound to one core). Workload
   (prefill included);
 - sharegpt: `requests` ShareGPT-shaped requests (synthetic lengths, `scale`; outputs capped at
   `max_output`), all queued at once, `slots` running at a time;
-- context: decode speed at `context_lengths` (a prompt alone): the time of max_tokens + 1 tokens
-  less that of 1 token from another prompt of the same length, so the prefill cancels;
-  `context_repeats` prompts of each (each alone), whose times add up (one 5-second decode moved
-  by 10-20% between runs on a shared machine).
+- context: decode speed at `context_lengths`: `context_repeats` prompts of each length, each alone,
+  max_tokens + 1 tokens each, timed through each engine's step loop from the request's first token
+  to its last, so the prefill is not in it. The lengths take turns (100, 2,000, 100, ...), so a
+  machine that slows down in the middle slows every length alike.
 
 vLLM keeps its defaults otherwise (prefix caching on, as its users run it).
 
@@ -108,10 +108,11 @@ def workloads(tokenizer: Any, spec: VllmBenchSpec) -> list[dict[str, Any]]:
     reqs = synthetic_requests(tokenizer, spec.requests, seed=spec.seed, scale=spec.scale, max_total=spec.max_model_len)
     out.append({"name": "sharegpt", "alone": False, "prompts": [p for p, _ in reqs],
                 "max_tokens": [min(n, spec.max_output) for _, n in reqs]})
-    for c in spec.context_lengths:  # prompts of the same length, all different: no cached prefix carries over
-        for n in (1, spec.max_tokens + 1):
-            prompts = [chat_prompt(tokenizer, c, rng)[:c] for _ in range(spec.context_repeats)]
-            out.append({"name": f"context{c}-{n}", "alone": True, "prompts": prompts, "max_tokens": [n] * len(prompts)})
+    # Every prompt different (no cached prefix carries over), the lengths taking turns.
+    contexts = [c for _ in range(spec.context_repeats) for c in spec.context_lengths]
+    out.append({"name": "context", "alone": True, "decode_timed": True,
+                "prompts": [chat_prompt(tokenizer, c, rng)[:c] for c in contexts],
+                "max_tokens": [spec.max_tokens + 1] * len(contexts)})
     return out
 
 
@@ -128,14 +129,31 @@ def run_reclaim(model_dir: Path, jobs: list[dict[str, Any]], spec: VllmBenchSpec
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
         return [list(o.token_ids) for o in engine.generate(prompts, params)]
 
+    def decode_timed(prompt: list[int], n: int) -> tuple[list[int], float]:
+        """One prompt alone through the step loop: its tokens, and the seconds from its first token
+        to its last."""
+        rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        first = None
+        while True:
+            for o in engine.step():
+                if o.request_id == rid and first is None and o.new_token_ids:
+                    first = time.perf_counter()
+                if o.request_id == rid and o.finished:
+                    return list(o.token_ids), time.perf_counter() - first
+
     first = jobs[0]["prompts"][0]
     run([first, first], [4, 4])  # warm-up, as vLLM's side
     out = {}
     for w in jobs:
         t = time.perf_counter()
-        outputs = ([run([p], [n])[0] for p, n in zip(w["prompts"], w["max_tokens"])] if w["alone"]
-                   else run(w["prompts"], w["max_tokens"]))
-        out[w["name"]] = {"seconds": time.perf_counter() - t, "outputs": outputs}
+        if w.get("decode_timed"):
+            timed = [decode_timed(p, n) for p, n in zip(w["prompts"], w["max_tokens"])]
+            out[w["name"]] = {"seconds": time.perf_counter() - t, "outputs": [o for o, _ in timed],
+                              "decode_seconds": [s for _, s in timed]}
+        else:
+            outputs = ([run([p], [n])[0] for p, n in zip(w["prompts"], w["max_tokens"])] if w["alone"]
+                       else run(w["prompts"], w["max_tokens"]))
+            out[w["name"]] = {"seconds": time.perf_counter() - t, "outputs": outputs}
         print(f"reclaim {w['name']}: {out[w['name']]['seconds']:.2f} s", flush=True)
     return out
 
@@ -214,7 +232,7 @@ def measure(spec: VllmBenchSpec) -> dict[str, Any]:
     cfg = read_config(model_dir)
     rows = []
     for w in jobs:
-        if w["name"].startswith("context"):
+        if w["name"] == "context":
             continue
         a, b = ours[w["name"]], theirs["workloads"][w["name"]]
         n = sum(w["max_tokens"])
@@ -232,17 +250,24 @@ def measure(spec: VllmBenchSpec) -> dict[str, Any]:
                                "reclaim_share": floor / a["seconds"], "vllm_share": floor / b["seconds"]}})
         print(f"{w['name']:>9}: reclaim {n / a['seconds']:6.1f} tok/s, vLLM {n / b['seconds']:6.1f} tok/s, "
               f"{rows[-1]['ratio']:.2f}x, identical {same}/{len(w['prompts'])}", flush=True)
-    decode = {}
+    decode, decode_limit = {}, {}
+    ctx = next(w for w in jobs if w["name"] == "context")
+    same = sum(x == y for x, y in zip(ours["context"]["outputs"], theirs["workloads"]["context"]["outputs"]))
     for c in spec.context_lengths:
-        one, full = f"context{c}-1", f"context{c}-{spec.max_tokens + 1}"
-        decode[str(c)] = {side: spec.context_repeats * spec.max_tokens / (res[full]["seconds"] - res[one]["seconds"])
+        mine = [i for i, p in enumerate(ctx["prompts"]) if len(p) == c]
+        decode[str(c)] = {side: len(mine) * spec.max_tokens / sum(res["context"]["decode_seconds"][i] for i in mine)
                           for side, res in (("reclaim", ours), ("vllm", theirs["workloads"]))}
+        # A decode token reads every weight and the K/V of its context, at this machine's read rate.
+        cost = work(cfg, [c], [1], 1, True)
+        decode_limit[str(c)] = rates["read_gb_per_s"] * 1e9 / (cost["weight_read_bytes"] + cost["kv_read_bytes"])
     lo, hi = (str(c) for c in (min(spec.context_lengths), max(spec.context_lengths)))
     return {"benchmark": "engine-vllm", "spec": {k: v for k, v in asdict(spec).items() if k != "vllm_python"},
             **finish_metadata(meta), "vllm_version": theirs["vllm_version"], "model": str(model_dir),
             "dtype": "float32", "limits": rates, "results": rows,
-            "decode_tokens_per_s_by_context": decode,
-            "decode_long_over_short": {side: decode[hi][side] / decode[lo][side] for side in ("reclaim", "vllm")}}
+            "decode_tokens_per_s_by_context": decode, "decode_identical_outputs": f"{same}/{len(ctx['prompts'])}",
+            "decode_limit_tokens_per_s_by_context": decode_limit,
+            "decode_long_over_short": {side: decode[hi][side] / decode[lo][side] for side in ("reclaim", "vllm")},
+            "decode_long_over_short_limit": decode_limit[hi] / decode_limit[lo]}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

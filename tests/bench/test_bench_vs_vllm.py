@@ -33,8 +33,23 @@ class _Out:
 
 
 class _Req:
-    def __init__(self, ids):
+    def __init__(self, ids, request_id=None, finished=True):
         self.outputs = [_Out(ids)]
+        self.request_id, self.finished = request_id, finished
+
+
+class _Engine:
+    """The step loop: a request's first token in one step, all of them (finished) in the next."""
+
+    def __init__(self, llm):
+        self.llm, self.steps = llm, []
+
+    def add_request(self, request_id, prompt, params):
+        ids = self.llm.generate([prompt], [params])[0].outputs[0].token_ids
+        self.steps += [[_Req(ids[:1], request_id, False)], [_Req(ids, request_id, True)]]
+
+    def step(self):
+        return self.steps.pop(0)
 
 
 class LLM:
@@ -43,6 +58,7 @@ class LLM:
         from transformers import AutoModelForCausalLM
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.llm_engine = _Engine(self)
 
     def generate(self, prompts, params, use_tqdm=False):
         out = []
@@ -82,6 +98,9 @@ def test_against_a_vllm_side_the_outputs_ratios_and_limits_are_written(tiny_mode
         assert 0 < r["limit"]["reclaim_share"] and r["limit"]["flops"] > 0
     assert rows["long"]["prompt_tokens"] == 60
     assert set(result["decode_tokens_per_s_by_context"]) == {"16", "48"}
+    assert result["decode_identical_outputs"] == "6/6"  # 3 prompts of each length, taking turns
+    limit = result["decode_limit_tokens_per_s_by_context"]
+    assert limit["16"] > limit["48"] > 0 and result["decode_long_over_short_limit"] == pytest.approx(limit["48"] / limit["16"])
     assert result["vllm_version"] == "0.0-fake" and result["limits"]["read_gb_per_s"] > 0
 
 
