@@ -4,7 +4,6 @@ tests, and `fixed_depth`: speculation that drafts its full depth at every verify
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -59,13 +58,13 @@ def fixed_depth(**fields):
 
 
 def torchrun(script: str, *args: str, timeout: int = 600, nproc: int = 2) -> None:
-    """`script` under torchrun on `nproc` local ranks (one thread each, this folder importable), with
-    its stderr in the failure (Python and C++ stacks where a rank dies on a signal)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           script, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """`script` on `nproc` local ranks as torchrun starts them (one thread each, this folder
+    importable), forked from a process that imported torch once (tests/ranks.py), with every rank's
+    log in the failure (Python and C++ stacks where a rank dies on a signal)."""
+    from ranks import ranks
+
+    ranks(script, *args, nproc=nproc, timeout=timeout, path=[str(Path(__file__).parent)],
+          env={"PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"})
 
 
 def rank_main(worker: Callable[[Path], None], root: str) -> None:

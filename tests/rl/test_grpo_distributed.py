@@ -1,4 +1,5 @@
-"""GRPO under torchrun (2 gloo ranks) equals one process taking the same steps (float64).
+"""GRPO on 2 gloo ranks (started as torchrun starts them: tests/ranks.py) equals one process
+taking the same steps (float64).
 
 Each rank rolls out half of every step's prompts on its own engine with the seeds of their
 places in the whole rollout, and trains on half of the micro-batches under DDP; one process

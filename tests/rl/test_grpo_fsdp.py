@@ -1,4 +1,5 @@
-"""GRPO with `parallelism: fsdp` under torchrun (2 gloo ranks) equals one process (float64).
+"""GRPO with `parallelism: fsdp` on 2 gloo ranks (started as torchrun starts them: tests/ranks.py)
+equals one process (float64).
 
 The policy is sharded by FSDP2 (reclaim/fsdp.py): each rank holds half of every parameter, its
 gradients and AdamW state, and gathers the full weights into its rollout engine after each step.

@@ -1,5 +1,6 @@
-"""`reclaim plan`'s per-rank figures against the bytes real ranks hold: GRPO under torchrun with
-FSDP2 at 2 and 4 gloo ranks, bfloat16 rollouts and the optimizer offloaded while rolling out.
+"""`reclaim plan`'s per-rank figures against the bytes real ranks hold: GRPO with
+FSDP2 at 2 and 4 gloo ranks (started as torchrun starts them: tests/ranks.py), bfloat16 rollouts
+and the optimizer offloaded while rolling out.
 Rank 0 (the worst rank) logs its parameters, gradients, AdamW moments, rollout copy and K/V pool
 (memory/*) and the bytes it moved to host memory and back (offload/bytes); each must be within
 10% of the plan for the same config and the model's config.json (they agree to the byte). The

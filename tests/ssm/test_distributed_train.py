@@ -1,4 +1,5 @@
-"""ssm-train under torchrun (2 gloo ranks) equals one process taking the same steps (float64).
+"""ssm-train on 2 gloo ranks (started as torchrun starts them: tests/ranks.py) equals one process
+taking the same steps (float64).
 
 Layer and time sharding (exact and truncated adjoint; by time also a Mamba-2 LM and a hybrid with
 attention) read the same batches as a single process;
@@ -14,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -121,11 +120,9 @@ def distributed_runs(built_once) -> Path:
             torch.set_num_threads(threads)
         shutil.copytree(root / "one", root / "one-to-fsdp")
         shutil.rmtree(root / "one-to-fsdp" / "checkpoint-4")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             __file__, str(root)], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        from ranks import ranks  # tests/ranks.py: the script's ranks as torchrun starts them
+
+        ranks(__file__, str(root))
 
     return built_once("ssm-dist", build)
 

@@ -1,6 +1,7 @@
 """Parallel and distributed adjoint shards give autograd's gradients (fp64, tight tolerance).
 
-The distributed checks run this file under `torchrun --standalone --nproc_per_node=2` on gloo:
+The distributed checks run this file on two gloo ranks, started as `torchrun --standalone
+--nproc_per_node=2` starts them (tests/ranks.py):
 every rank builds the same model, computes the autograd reference locally, runs the sharded
 backward and reports its worst relative error per parameter it is responsible for.
 """
@@ -10,8 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -213,11 +212,9 @@ def _worker() -> None:
 
 @pytest.mark.launches
 def test_layer_and_time_sharded_equal_one_process_on_two_gloo_ranks(tmp_path) -> None:
-    env = {**os.environ, "RECLAIM_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from ranks import ranks  # tests/ranks.py: the script's ranks as torchrun starts them
+
+    ranks(__file__, env={"RECLAIM_TEST_OUT": str(tmp_path)}, timeout=300)
     results = [r for rank in (0, 1)
                for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
     assert len(results) == 2 * (3 * len(CASES) + 2 * sum(len(w) for _, w in TRUNCATED)
