@@ -148,12 +148,12 @@ def run_reclaim(model_dir: Path, jobs: list[dict[str, Any]], spec: VllmBenchSpec
         t = time.perf_counter()
         if w.get("decode_timed"):
             timed = [decode_timed(p, n) for p, n in zip(w["prompts"], w["max_tokens"])]
-            out[w["name"]] = {"seconds": time.perf_counter() - t, "outputs": [o for o, _ in timed],
-                              "decode_seconds": [s for _, s in timed]}
+            out[w["name"]] = {"outputs": [o for o, _ in timed], "decode_seconds": [s for _, s in timed]}
+        elif w["alone"]:
+            out[w["name"]] = {"outputs": [run([p], [n])[0] for p, n in zip(w["prompts"], w["max_tokens"])]}
         else:
-            outputs = ([run([p], [n])[0] for p, n in zip(w["prompts"], w["max_tokens"])] if w["alone"]
-                       else run(w["prompts"], w["max_tokens"]))
-            out[w["name"]] = {"seconds": time.perf_counter() - t, "outputs": outputs}
+            out[w["name"]] = {"outputs": run(w["prompts"], w["max_tokens"])}
+        out[w["name"]]["seconds"] = time.perf_counter() - t
         print(f"reclaim {w['name']}: {out[w['name']]['seconds']:.2f} s", flush=True)
     return out
 
